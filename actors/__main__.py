@@ -1,0 +1,51 @@
+"""``python -m actors --config C --actor-id I [--run-dir D | --endpoints F]``: one actor process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from shared.config import ConfigError, load_config
+from shared.transport import read_endpoints
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m actors", description=__doc__)
+    p.add_argument("--config", required=True, help="JSON config file")
+    p.add_argument("--actor-id", type=int, required=True, help="0..num_actors-1")
+    p.add_argument("--run-dir", type=Path, help="run directory of the learner (reads endpoints.json there)")
+    p.add_argument("--endpoints", type=Path, help="path of the learner's endpoints.json (another host: copy it)")
+    p.add_argument("--device", help="override the device (default: actors.devices[id % len])")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set actors.num_envs=16 (repeatable)")
+    p.add_argument("--learner-timeout", type=float, default=120.0,
+                   help="seconds without the learner before exiting (default 120)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[actor {args.actor_id}] %(message)s")
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if not 0 <= args.actor_id < cfg.actors.num_actors:
+        print(f"--actor-id {args.actor_id}: must be in 0..{cfg.actors.num_actors - 1} (actors.num_actors in "
+              f"{args.config})", file=sys.stderr)
+        return 2
+    path = args.endpoints or (args.run_dir / "endpoints.json" if args.run_dir else None)
+    if path is None:
+        print("give --run-dir or --endpoints so the actor can find the learner", file=sys.stderr)
+        return 2
+    try:
+        endpoints = read_endpoints(path, timeout_s=args.learner_timeout)
+    except TimeoutError as e:
+        print(e, file=sys.stderr)
+        return 1
+    from actors.actor import run_actor_process
+    return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
+                             learner_timeout_s=args.learner_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Rollout collection: steps a :class:`BatchedEnv` with the actor's policy copy into a
+pre-allocated ``[N, T]`` rollout. No sockets here; :mod:`actors.actor` sends what this fills.
+
+Storage is plain tensors written with one indexed copy per key per step (TensorDict indexing in
+the step loop costs more than the env step for small envs); the TensorDict view is built once per
+rollout. Two storages alternate so one can be filled while ZeroMQ still reads the other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from shared import keys
+from shared.envs.base import BatchedEnv, EnvSpec
+
+
+def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch.device | str = "cpu",
+                     pin_memory: bool = False) -> TensorDict:
+    """An all-zero rollout ``[N, T]``: the schema actors fill and the learner expects."""
+    n, t = num_envs, num_steps
+    act = spec.action
+    act_shape = act.shape
+    act_dtype = torch.int64 if act.kind == "discrete" else torch.float32
+    tensors = {
+        keys.OBS: torch.zeros(n, t, *spec.obs_shape, dtype=spec.obs_dtype, device=device),
+        keys.ACTION: torch.zeros(n, t, *act_shape, dtype=act_dtype, device=device),
+        keys.LOG_PROB: torch.zeros(n, t, device=device),
+        keys.VALUE: torch.zeros(n, t, device=device),
+        keys.NEXT_VALUE: torch.zeros(n, t, device=device),
+        keys.REWARD: torch.zeros(n, t, device=device),
+        keys.TERMINATED: torch.zeros(n, t, dtype=torch.bool, device=device),
+        keys.TRUNCATED: torch.zeros(n, t, dtype=torch.bool, device=device),
+        keys.DONE: torch.zeros(n, t, dtype=torch.bool, device=device),
+        keys.POLICY_VERSION: torch.zeros(n, t, dtype=torch.int64, device=device),
+    }
+    if pin_memory:
+        tensors = {k: v.pin_memory() for k, v in tensors.items()}
+    return TensorDict(tensors, batch_size=[n, t])
+
+
+@dataclass
+class RolloutStats:
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    collect_s: float = 0.0
+    inference_s: float = 0.0
+    env_s: float = 0.0
+
+
+class Collector:
+    """Fills rollouts from `env` with `policy` (the actor's own copy, never shared).
+
+    Args:
+        env: the actor's batched env.
+        policy: TensorDict-in/TensorDict-out policy with a critic (``value`` in its output).
+        num_steps: T, steps per env per rollout.
+        num_buffers: storages used in turn (2: fill one while the other is being sent).
+        step_delay_s: extra sleep per env step (a slow actor for tests and studies).
+    """
+
+    def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
+                 num_buffers: int = 2, step_delay_s: float = 0.0):
+        self.env, self.policy, self.num_steps = env, policy, num_steps
+        self.device = env.device
+        pin = self.device.type == "cuda"  # device-resident sims copy out into pinned host memory
+        self._host = [rollout_template(env.spec, env.num_envs, num_steps, "cpu", pin_memory=pin)
+                      for _ in range(num_buffers)]
+        self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device)
+                     if self.device.type != "cpu" else None)
+        self._next = 0
+        self.step_delay_s = step_delay_s
+        self.obs = env.reset(seed=seed)
+        self.env_steps = 0
+
+    @torch.inference_mode()
+    def collect(self, version: int) -> tuple[TensorDict, RolloutStats, int]:
+        """Fill the next storage with T steps acted by weight version `version`.
+
+        Returns ``(rollout, stats, index)``: the rollout aliases storage ``index``, which the
+        caller must not let be refilled while it is still being sent.
+        """
+        t0 = time.perf_counter()
+        idx = self._next
+        self._next = (self._next + 1) % len(self._host)
+        out = self._dev if self._dev is not None else self._host[idx]
+        obs_b, act_b, logp_b = out[keys.OBS], out[keys.ACTION], out[keys.LOG_PROB]
+        val_b, rew_b, nval_b = out[keys.VALUE], out[keys.REWARD], out[keys.NEXT_VALUE]
+        term_b, trunc_b = out[keys.TERMINATED], out[keys.TRUNCATED]
+        nval_b.zero_()
+        stats = RolloutStats()
+        n = self.env.num_envs
+        for t in range(self.num_steps):
+            ti = time.perf_counter()
+            td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
+            action = td[keys.ACTION]
+            te = time.perf_counter()
+            step = self.env.step(action)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            stats.inference_s += te - ti
+            stats.env_s += time.perf_counter() - te
+            obs_b[:, t] = self.obs
+            act_b[:, t] = action
+            logp_b[:, t] = td[keys.LOG_PROB]
+            val_b[:, t] = td[keys.VALUE]
+            rew_b[:, t] = step.reward
+            term_b[:, t] = step.terminated
+            trunc_b[:, t] = step.truncated
+            if step.episode_returns:
+                stats.episode_returns += step.episode_returns
+                stats.episode_lengths += step.episode_lengths
+                trunc = step.truncated & ~step.terminated
+                if bool(trunc.any()):
+                    # Truncated steps bootstrap from V(final observation), not from the reset
+                    # observation the env returned: that one belongs to the next episode.
+                    final = TensorDict({keys.OBS: step.final_obs[trunc]}, batch_size=[int(trunc.sum())])
+                    nval_b[trunc, t] = self.policy.get_value(final)
+            self.obs = step.obs
+        # V(s_{t+1}) for steps that did not end an episode: the next step's value, and for the
+        # last step the value of the observation after it.
+        done_b = out[keys.DONE]
+        torch.logical_or(term_b, trunc_b, out=done_b)
+        last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
+        following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
+        nval_b.copy_(torch.where(done_b, nval_b, following))
+        out[keys.POLICY_VERSION].fill_(version)
+        if self._dev is not None:
+            self._host[idx].update_(out, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        self.env_steps += n * self.num_steps
+        stats.collect_s = time.perf_counter() - t0
+        return self._host[idx], stats, idx

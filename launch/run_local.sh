@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Start one Tandem run on this machine: the learner and N actors, each its own process.
+#
+#   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--set KEY=VALUE ...]
+#
+# With no arguments it trains PPO on CartPole-v1 (configs/cartpole_ppo.json). On first use, when
+# the project is not importable, it creates .venv/ and installs it there (torch==2.13.0 only when
+# no torch is installed, so a CUDA build you already have is kept).
+# The launcher supervises: a crashed actor is restarted (with back-off, at most
+# TANDEM_MAX_RESTARTS times per actor); if the learner dies the run stops and exits non-zero.
+# Ctrl-C or SIGTERM stops every process (the learner writes a final checkpoint) within ~10 s.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CONFIG="$ROOT/configs/cartpole_ppo.json"
+ACTORS=""; STEPS=""; OUT=""; RESUME=0; SETS=()
+MAX_RESTARTS="${TANDEM_MAX_RESTARTS:-3}"
+
+usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --config) CONFIG="$2"; shift 2 ;;
+    --actors) ACTORS="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --resume) RESUME=1; shift ;;
+    --set) SETS+=("$2"); shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "run_local.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+[[ -f "$CONFIG" ]] || { echo "run_local.sh: config file '$CONFIG' not found" >&2; exit 2; }
+[[ -z "$ACTORS" || "$ACTORS" =~ ^[1-9][0-9]*$ ]] || { echo "run_local.sh: --actors must be a positive integer" >&2; exit 2; }
+[[ -z "$STEPS" || "$STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "run_local.sh: --steps must be a positive integer" >&2; exit 2; }
+[[ -n "$ACTORS" ]] && SETS+=("actors.num_actors=$ACTORS")
+[[ -n "$STEPS" ]] && SETS+=("trainer.total_steps=$STEPS")
+
+# ---------------------------------------------------------------- python environment
+deps_ok() { "$1" -c "import torch, tensordict, zmq, msgpack, gymnasium, tensorboard" >/dev/null 2>&1; }
+if [[ -n "${TANDEM_PYTHON:-}" ]]; then PY="$TANDEM_PYTHON"
+elif [[ -x "$ROOT/.venv/bin/python" ]] && deps_ok "$ROOT/.venv/bin/python"; then PY="$ROOT/.venv/bin/python"
+elif command -v python3 >/dev/null && deps_ok python3; then PY="$(command -v python3)"
+else
+  echo "[launch] first use: creating $ROOT/.venv and installing tandem-rl (a few minutes)"
+  python3 -m venv "$ROOT/.venv" || exit 1
+  PY="$ROOT/.venv/bin/python"
+  "$PY" -m pip install -q --upgrade pip || exit 1
+  "$PY" -c "import torch" >/dev/null 2>&1 || "$PY" -m pip install -q torch==2.13.0 || exit 1
+  "$PY" -m pip install -q -e "$ROOT" || exit 1
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export PYTHONUNBUFFERED=1
+
+# ---------------------------------------------------------------- run directory
+set_args=(); for s in "${SETS[@]+"${SETS[@]}"}"; do set_args+=(--set "$s"); done
+read -r NUM_ACTORS EXP_DIR < <("$PY" - "$CONFIG" "${SETS[@]+"${SETS[@]}"}" <<'PYEOF'
+import sys
+from pathlib import Path
+from shared.config import ConfigError, load_config
+try:
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+except ConfigError as e:
+    print(e, file=sys.stderr); print("0 -"); sys.exit(0)
+print(cfg.actors.num_actors, Path(cfg.trainer.output_dir) / cfg.trainer.exp_name)
+PYEOF
+)
+[[ "$NUM_ACTORS" -gt 0 ]] 2>/dev/null || exit 2
+if [[ -z "$OUT" ]]; then
+  if [[ $RESUME -eq 1 ]]; then
+    OUT="$(ls -1d "$EXP_DIR"/*/ 2>/dev/null | sort | tail -n 1)"
+    [[ -n "$OUT" ]] || { echo "run_local.sh: --resume: no earlier run under $EXP_DIR" >&2; exit 2; }
+  else
+    OUT="$EXP_DIR/$(date +%Y%m%d-%H%M%S)"
+  fi
+fi
+OUT="${OUT%/}"
+mkdir -p "$OUT/logs"
+rm -f "$OUT/endpoints.json"   # a stale file from a crashed run would point actors at nothing
+
+# ---------------------------------------------------------------- processes
+declare -A ACTOR_PID=() RESTARTS=()
+LEARNER_PID=""
+STOPPING=0
+
+start_actor() {
+  local i=$1
+  "$PY" -m actors --config "$CONFIG" --actor-id "$i" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}" \
+    > >(tee -a "$OUT/logs/actor_$i.log") 2>&1 &
+  ACTOR_PID[$i]=$!
+}
+
+stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
+  local pids=("${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" $LEARNER_PID) deadline=$((SECONDS + 10))
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for p in "${pids[@]}"; do
+    while kill -0 "$p" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.1; done
+  done
+  for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; kill -KILL "$p" 2>/dev/null; }; done
+  wait 2>/dev/null
+}
+
+on_signal() {
+  [[ $STOPPING -eq 1 ]] && return
+  STOPPING=1
+  echo "[launch] $1: stopping the learner and $NUM_ACTORS actors"
+  stop_all
+  exit "$2"
+}
+trap 'on_signal SIGINT 130' INT
+trap 'on_signal SIGTERM 143' TERM
+
+learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
+[[ $RESUME -eq 1 ]] && learner_args+=(--resume)
+echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | python $PY"
+"$PY" -m learner "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
+LEARNER_PID=$!
+for ((i = 0; i < NUM_ACTORS; i++)); do start_actor "$i"; done
+
+status=0
+while true; do
+  finished=""
+  wait -n -p finished "$LEARNER_PID" "${ACTOR_PID[@]}"
+  code=$?
+  [[ -z "$finished" ]] && continue            # interrupted by a signal; the trap handles it
+  if [[ "$finished" == "$LEARNER_PID" ]]; then
+    status=$code
+    [[ $code -ne 0 ]] && echo "[launch] the learner exited with code $code: stopping the actors"
+    LEARNER_PID=""
+    stop_all
+    break
+  fi
+  for i in "${!ACTOR_PID[@]}"; do
+    [[ "${ACTOR_PID[$i]}" == "$finished" ]] || continue
+    unset "ACTOR_PID[$i]"
+    if [[ $code -ne 0 ]]; then
+      n=$(( ${RESTARTS[$i]:-0} + 1 )); RESTARTS[$i]=$n
+      if [[ $n -gt $MAX_RESTARTS ]]; then
+        echo "[launch] actor $i failed $n times (last exit code $code): stopping the run"
+        status=1; stop_all; break 2
+      fi
+      delay=$(( 1 << (n - 1) ))
+      echo "[launch] actor $i exited with code $code: restart $n/$MAX_RESTARTS in ${delay}s"
+      sleep "$delay"
+      kill -0 "$LEARNER_PID" 2>/dev/null && start_actor "$i"
+    fi
+  done
+done
+[[ -f "$OUT/summary.json" ]] && echo "[launch] summary: $(tr -d '\n ' < "$OUT/summary.json")"
+echo "[launch] done (exit $status): $OUT"
+exit "$status"

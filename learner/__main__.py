@@ -1,0 +1,47 @@
+"""``python -m learner --config C [--run-dir D] [--resume] [--set KEY=VALUE ...]``: the learner process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from shared.config import ConfigError, load_config
+
+
+def default_run_dir(cfg) -> Path:
+    return Path(cfg.trainer.output_dir) / cfg.trainer.exp_name / time.strftime("%Y%m%d-%H%M%S")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m learner", description=__doc__)
+    p.add_argument("--config", required=True, help="JSON config file")
+    p.add_argument("--run-dir", type=Path, help="where logs and checkpoints go "
+                   "(default: <output_dir>/<exp_name>/<date-time>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--no-eval", action="store_true", help="do not start the evaluator process")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set trainer.total_steps=50000 (repeatable)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[learner] %(message)s")
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.resume and args.run_dir is None:
+        print("--resume needs --run-dir (the run to continue)", file=sys.stderr)
+        return 2
+    from learner.process import run_learner_process
+    try:
+        return run_learner_process(cfg, args.run_dir or default_run_dir(cfg), resume=args.resume,
+                                   evaluator=not args.no_eval)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

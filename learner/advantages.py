@@ -1,0 +1,39 @@
+"""Generalised advantage estimation on batch-first ``[N, T]`` rollouts (time on the last axis)."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def compute_gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
+                terminated: torch.Tensor, done: torch.Tensor, gamma: float, lam: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) with true bootstrapping.
+
+    Args:
+        reward, value: ``[N, T]``; ``value[:, t] = V(s_t)``.
+        next_value: ``[N, T]``, ``V`` of the true state after step t. On a truncated step that is
+            the final observation of the episode, not the auto-reset observation.
+        terminated: ``[N, T]`` bool; a terminal step has no bootstrap (``next_value`` is ignored).
+        done: ``[N, T]`` bool (terminated | truncated); the recursion does not cross it.
+        gamma, lam: discount and GAE lambda.
+
+    Returns:
+        ``(advantage, value_target)``, both ``[N, T]``, with ``value_target = advantage + value``.
+        Equal to TorchRL's ``generalized_advantage_estimate`` on the same inputs.
+    """
+    if not (reward.shape == value.shape == next_value.shape == terminated.shape == done.shape):
+        raise ValueError(f"compute_gae: shapes differ: reward {tuple(reward.shape)}, value {tuple(value.shape)}, "
+                         f"next_value {tuple(next_value.shape)}, terminated {tuple(terminated.shape)}, "
+                         f"done {tuple(done.shape)}")
+    not_terminated = (~terminated.bool()).to(value.dtype)
+    not_done = (~done.bool()).to(value.dtype)
+    delta = reward + gamma * next_value * not_terminated - value
+    discount = gamma * lam * not_done
+    advantage = torch.empty_like(delta)
+    running = torch.zeros_like(delta[..., 0])
+    for t in range(delta.shape[-1] - 1, -1, -1):
+        running = delta[..., t] + discount[..., t] * running
+        advantage[..., t] = running
+    return advantage, advantage + value

@@ -1,0 +1,54 @@
+"""Checkpoints that resume exactly: written atomically, loaded with ``weights_only=True``.
+
+A checkpoint holds the policy (normaliser statistics included), the optimiser, the version and
+step counters, the reward scaler and every RNG state the learner draws from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def save_checkpoint(directory: Path, state: dict[str, Any], version: int, keep: int = 3) -> Path:
+    """Write ``ckpt_<version>.pt`` (temp file, fsync, rename: never half-written) and keep the newest `keep`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ckpt_{version:08d}.pt"
+    tmp = path.with_suffix(".pt.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints in `directory`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True`` (no arbitrary code runs)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"{path}: cannot load checkpoint: {e}") from e

@@ -1,0 +1,92 @@
+"""Evaluator process: deterministic episodes on separate envs, off the training path.
+
+It subscribes to the learner's weights like an actor, evaluates the newest weights each time the
+env-step count passes a multiple of ``eval_freq`` (and the final weights), and pushes the results
+back to the learner as a small ``kind="eval"`` message. Training never waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import zmq
+from tensordict import TensorDict
+
+from shared import keys, wire
+from shared.config import Config, config_from_dict
+from shared.envs import make_env
+from shared.policies import load_weights_, make_policy
+from shared.transport import RolloutPusher, WeightsSubscriber
+
+
+@torch.inference_mode()
+def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int) -> tuple[list[float], list[int]]:
+    """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy."""
+    obs = env.reset(seed=seed)
+    n = env.num_envs
+    returns: list[float | None] = [None] * n
+    lengths: list[int | None] = [None] * n
+    ep_ret = torch.zeros(n, dtype=torch.float64)
+    ep_len = torch.zeros(n, dtype=torch.int64)
+    limit = env.spec.max_episode_steps or 100_000
+    for _ in range(limit + 1):
+        td = policy(TensorDict({keys.OBS: obs}, batch_size=[n]), deterministic=True)
+        step = env.step(td[keys.ACTION])
+        ep_ret += step.reward.double().cpu()
+        ep_len += 1
+        done = (step.terminated | step.truncated).cpu()
+        for i in torch.nonzero(done).flatten().tolist():
+            if returns[i] is None:
+                returns[i], lengths[i] = float(ep_ret[i]), int(ep_len[i])
+        ep_ret[done] = 0.0
+        ep_len[done] = 0
+        obs = step.obs
+        if all(r is not None for r in returns):
+            break
+    return [r for r in returns if r is not None][:num_episodes], [n for n in lengths if n is not None][:num_episodes]
+
+
+def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int) -> None:
+    """Entry point of the evaluator process (spawned by the learner)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C reaches the learner; it stops us
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    torch.set_num_threads(1)
+    cfg: Config = config_from_dict(cfg_dict, source=source)
+    t = cfg.trainer
+    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu")
+    policy = make_policy(cfg, env.spec).eval()
+    ctx = zmq.Context()
+    sub = WeightsSubscriber(ctx, endpoints["weights"])
+    push = RolloutPusher(ctx, endpoints["rollouts"], hwm=16)
+    next_eval = t.eval_freq
+    count = 0
+    try:
+        while not stopping and os.getppid() == parent_pid:
+            msg = sub.newest(timeout_ms=200)
+            if msg is None:
+                continue
+            td, meta = msg
+            if meta.get("kind") == "stop":
+                break
+            steps = int(meta.get("env_steps", 0))
+            final = bool(meta.get("final"))
+            if not (final or (t.eval_freq and steps >= next_eval)):
+                continue
+            load_weights_(policy, td)
+            t0 = time.perf_counter()
+            returns, lengths = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
+            count += 1
+            if t.eval_freq:
+                next_eval = (steps // t.eval_freq + 1) * t.eval_freq
+            push.send(wire.encode(TensorDict({}, []), kind="eval", sender="evaluator", version=meta.get("version"),
+                                  env_steps=steps, returns=returns, lengths=lengths, final=final,
+                                  eval_s=time.perf_counter() - t0), timeout_ms=5000)
+    finally:
+        env.close()
+        sub.close()
+        push.close()
+        ctx.term()

@@ -1,0 +1,154 @@
+"""The learner process: sockets, receiver thread, evaluator process, main loop, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+import zmq
+
+from learner.evaluator import run_evaluator
+from learner.learner import Learner, RejectedMessage
+from learner.logs import RunLogger
+from shared import wire
+from shared.config import Config, save_config
+from shared.transport import LINGER_MS, WeightsPublisher, bind, write_endpoints
+
+log = logging.getLogger("tandem.learner")
+
+
+def _receive_loop(learner: Learner, sock: zmq.Socket, stop: threading.Event) -> None:
+    """Receiver thread: decode and ingest until `stop`. Bad input is counted, never raised."""
+    while not stop.is_set():
+        if not sock.poll(50):
+            continue
+        try:
+            frames = sock.recv_multipart(copy=False)
+        except zmq.ZMQError:
+            break
+        try:
+            td, meta = wire.decode(frames)
+        except wire.WireError as e:
+            learner.note_malformed("a peer on the rollout socket", str(e))
+            continue
+        try:
+            learner.ingest(td, meta)
+        except RejectedMessage as e:
+            learner.note_rejected(str(e))
+        except Exception as e:  # a bug on a bad message must not take the run down
+            learner.note_rejected(f"{type(e).__name__} while ingesting from actor {meta.get('actor')!r}: {e}")
+
+
+def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evaluator: bool = True) -> int:
+    """Run the learner until ``total_steps`` or a stop signal. Returns the process exit code."""
+    torch.set_num_threads(cfg.learner.torch_threads)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    stop = threading.Event()
+    reason = []
+
+    def _on_signal(signum, frame):  # only set a flag: never raise inside a ZeroMQ call
+        reason.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVHWM, cfg.learner.recv_hwm)
+    pull.setsockopt(zmq.MAXMSGSIZE, 1 << 34)
+    rollouts_ep = bind(pull, cfg.learner.host, cfg.learner.rollout_port)
+    publisher = WeightsPublisher(ctx, cfg.learner.host, cfg.learner.weights_port)
+    endpoints = {"rollouts": rollouts_ep, "weights": publisher.endpoint}
+    logger = RunLogger(run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict())
+    learner = Learner(cfg, run_dir, publisher, resume=resume, logger=logger)
+    write_endpoints(run_dir, **endpoints)
+    print(f"[learner] run dir {run_dir} | rollouts {rollouts_ep} | weights {publisher.endpoint} | "
+          f"mode {cfg.trainer.buffer_type} | {cfg.env.id}" + (f" | resumed at v{learner.version}" if resume else ""),
+          flush=True)
+
+    eval_proc = None
+    if evaluator and cfg.trainer.eval_freq >= 0:
+        eval_proc = mp.get_context("spawn").Process(
+            target=run_evaluator, args=(cfg.to_dict(), cfg.source, endpoints, os.getpid()), daemon=True,
+            name="tandem-evaluator")
+        eval_proc.start()
+
+    recv_stop = threading.Event()
+    receiver = threading.Thread(target=_receive_loop, args=(learner, pull, recv_stop), name="receiver", daemon=True)
+    receiver.start()
+    learner.publish()
+    last_progress = time.time()
+    exit_code = 0
+    try:
+        while not stop.is_set() and not learner.finished:
+            publisher.serve_subscriptions()
+            while not learner.evals.empty():
+                learner.log_eval(learner.evals.get())
+            if time.time() - last_progress >= cfg.trainer.log_interval_s:
+                print(learner.progress_line(), flush=True)
+                last_progress = time.time()
+            batch = learner.take_batch(timeout_s=0.05)
+            if batch is None:
+                continue
+            learner.update_once(*batch)
+            learner.maybe_save()
+    except Exception:
+        log.exception("learner failed")
+        exit_code = 1
+    finally:
+        if reason:
+            print(f"[learner] {reason[0]}: stopping", flush=True)
+        try:
+            learner.save()
+        except Exception:
+            log.exception("final checkpoint failed")
+            exit_code = 1
+        if exit_code == 0 and not stop.is_set() and eval_proc is not None:
+            # A last evaluation of the final weights, bounded in time.
+            learner.publish(final=True)
+            deadline = time.time() + 120
+            while time.time() < deadline and eval_proc.is_alive():
+                publisher.serve_subscriptions()
+                try:
+                    meta = learner.evals.get(timeout=0.1)
+                except Exception:
+                    continue
+                learner.log_eval(meta)
+                if meta.get("final"):
+                    break
+        for _ in range(3):
+            publisher.send_control(kind="stop")
+        print(learner.progress_line(), flush=True)
+        recv_stop.set()
+        receiver.join(timeout=5)
+        if eval_proc is not None:
+            eval_proc.join(timeout=5)
+            if eval_proc.is_alive():
+                eval_proc.terminate()
+                eval_proc.join(timeout=5)
+        summary = {"env_steps": learner.env_steps, "version": learner.version, "updates": learner.updates,
+                   "wall_s": time.time() - learner.start_time, **learner.counts,
+                   **({f"last_eval/{k.split('/')[-1]}": v for k, v in learner.last_eval.items()}
+                      if learner.last_eval else {}),
+                   "exit_code": exit_code, "stopped_by": reason[0] if reason else None}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        logger.close()
+        time.sleep(0.2)  # let the stop messages leave
+        publisher.close()
+        pull.close(linger=0)
+        ctx.term()
+        (run_dir / "endpoints.json").unlink(missing_ok=True)
+    return exit_code

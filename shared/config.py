@@ -1,0 +1,343 @@
+"""Strict JSON configuration: typed blocks, every problem reported at once.
+
+The blocks are the seed framework's (``trainer``, ``actors``, ``learner``, ``env``, ``policy``,
+``algorithm``). Each dataclass below owns its defaults and documents its fields; an unknown key,
+a wrong type or an invalid combination raises :class:`ConfigError` naming the file and the key.
+
+    cfg = load_config("configs/cartpole_ppo.json", overrides=["trainer.total_steps=50000"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A configuration file (or override) is invalid; the message lists every problem."""
+
+
+@dataclass
+class TrainerConfig:
+    exp_name: str = "tandem"
+    seed: int = 1
+    total_steps: int = 200_000
+    """Env steps to collect (all actors together) before the run ends."""
+    buffer_size: int = 128
+    """Steps per env per rollout (T): one rollout is [num_envs, buffer_size]."""
+    buffer_type: Literal["standard", "vla"] = "vla"
+    """standard: strict on-policy lock-step. vla: asynchronous actors, circular buffer, lag filter."""
+    buffer_capacity: int = 8
+    """Circular buffer capacity, in rollouts (vla mode)."""
+    max_policy_lag: int = 4
+    """vla mode: rollouts older than this many versions are dropped (counted)."""
+    rollouts_per_update: int = 0
+    """Rollouts consumed by one update; 0 means one per actor (num_actors)."""
+    eval_freq: int = 20_000
+    """Evaluate (deterministic policy, separate envs) every this many env steps; 0 disables."""
+    save_freq: int = 50_000
+    """Checkpoint every this many env steps (and always at the end); 0 saves only at the end."""
+    num_eval_episodes: int = 10
+    output_dir: str = "outputs"
+    use_wandb: bool = False
+    """Mirror TensorBoard scalars to Weights & Biases (needs the wandb package)."""
+    log_interval_s: float = 5.0
+    """Seconds between progress lines."""
+
+
+@dataclass
+class ActorsConfig:
+    num_actors: int = 2
+    num_envs: int = 8
+    """Envs per actor process, stepped in-process as one batched env."""
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    """Actor i runs on devices[i % len(devices)]."""
+    sync_every: int = 1
+    """Take new weights at most every this many rollouts (newest version only)."""
+    torch_threads: int = 1
+    slowdown_s: float = 0.0
+    """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
+    slow_actor_ids: list[int] = field(default_factory=list)
+    """Actors that get `slowdown_s`; empty means all actors."""
+
+
+@dataclass
+class LearnerConfig:
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    """Address the learner binds; 127.0.0.1 keeps a single-host run off the network."""
+    rollout_port: int = 0
+    """TCP port for rollouts (0: pick a free one; endpoints.json tells actors)."""
+    weights_port: int = 0
+    torch_threads: int = 1
+    recv_hwm: int = 16
+    """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
+
+
+@dataclass
+class EnvConfig:
+    id: str = "CartPole-v1"
+    """A gymnasium id, or "tandem/<Name>" for a torch-native batched simulator."""
+    cfg: dict = field(default_factory=dict)
+    """Keyword arguments for the env constructor."""
+
+
+@dataclass
+class NetworkConfig:
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    activation: Literal["tanh", "relu", "elu", "gelu"] = "tanh"
+
+
+@dataclass
+class NetConfig:
+    type: Literal["mlp"] = "mlp"
+    network_cfg: NetworkConfig = field(default_factory=NetworkConfig)
+
+
+@dataclass
+class PolicyConfig:
+    name: Literal["actor_critic", "actor_only", "vla"] = "actor_critic"
+    actor: NetConfig = field(default_factory=NetConfig)
+    critic: Optional[NetConfig] = field(default_factory=NetConfig)
+    normalize_obs: bool = True
+    """Running mean/std observation normalisation; its statistics are part of the policy state."""
+    clip_obs: float = 10.0
+    log_std_init: float = 0.0
+    """Initial log standard deviation of the Gaussian (Box action spaces)."""
+    ortho_init: bool = True
+
+
+@dataclass
+class PPOConfig:
+    learning_rate: float = 3e-4
+    anneal_lr: bool = False
+    """Linearly decay the learning rate to 0 over total_steps."""
+    n_epochs: int = 10
+    batch_size: int = 256
+    """Minibatch size, in samples."""
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_coef: float = 0.2
+    clip_vloss: bool = False
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    norm_adv: bool = True
+    target_kl: Optional[float] = None
+    """Stop the epochs of an update early once approx-KL exceeds this."""
+    normalize_reward: bool = False
+    """Scale rewards by the running std of the discounted return (learner-side)."""
+    adam_eps: float = 1e-5
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["ppo"] = "ppo"
+    cfg: PPOConfig = field(default_factory=PPOConfig)
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actors: ActorsConfig = field(default_factory=ActorsConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    source: str = field(default="<dict>", compare=False)
+    """Where this config came from (for error messages); not a config key."""
+
+    @property
+    def rollouts_per_update(self) -> int:
+        return self.trainer.rollouts_per_update or self.actors.num_actors
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return {type(None): "null", dict: "object", float: "number", int: "integer", bool: "boolean",
+            str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
+    """Check `value` against the annotation `tp`; return the converted value or append an error."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected an object, got {type(value).__name__}")
+            return tp()
+        return _build(tp, value, path, errors)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(value, inner[0], path, errors)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            errors.append(f"{path}: expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
+            return []
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors.append(f"{path}: expected a number, got {value!r}")
+            return 0.0
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            errors.append(f"{path}: expected an integer, got {value!r}")
+            return 0
+        return int(value)
+    if tp in (bool, str, dict):
+        if not isinstance(value, tp):
+            errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {path}")  # a bug in this module
+
+
+def _build(cls: type, raw: dict, path: str, errors: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            errors.append(f"{where}: unknown key (known keys here: {known})")
+            continue
+        kwargs[key] = _convert(value, hints[key], where, errors)
+    return cls(**kwargs)
+
+
+def _check(cfg: Config) -> list[str]:
+    """Cross-field rules; every violated rule is reported."""
+    t, a, le, alg, p = cfg.trainer, cfg.actors, cfg.learner, cfg.algorithm.cfg, cfg.policy
+    errors = []
+    positive = {"trainer.total_steps": t.total_steps, "trainer.buffer_size": t.buffer_size,
+                "trainer.buffer_capacity": t.buffer_capacity, "trainer.num_eval_episodes": t.num_eval_episodes,
+                "actors.num_actors": a.num_actors, "actors.num_envs": a.num_envs,
+                "actors.sync_every": a.sync_every, "actors.torch_threads": a.torch_threads,
+                "learner.torch_threads": le.torch_threads, "learner.recv_hwm": le.recv_hwm,
+                "algorithm.cfg.n_epochs": alg.n_epochs, "algorithm.cfg.batch_size": alg.batch_size,
+                "algorithm.cfg.learning_rate": alg.learning_rate}
+    errors += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
+    non_negative = {"trainer.max_policy_lag": t.max_policy_lag, "trainer.eval_freq": t.eval_freq,
+                    "trainer.save_freq": t.save_freq, "trainer.rollouts_per_update": t.rollouts_per_update,
+                    "actors.slowdown_s": a.slowdown_s, "algorithm.cfg.ent_coef": alg.ent_coef,
+                    "algorithm.cfg.vf_coef": alg.vf_coef, "algorithm.cfg.max_grad_norm": alg.max_grad_norm,
+                    "learner.rollout_port": le.rollout_port, "learner.weights_port": le.weights_port}
+    errors += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+    for k in ("gamma", "gae_lambda"):
+        if not 0.0 <= getattr(alg, k) <= 1.0:
+            errors.append(f"algorithm.cfg.{k}: must be in [0, 1], got {getattr(alg, k)}")
+    if not a.devices:
+        errors.append("actors.devices: must name at least one device, e.g. [\"cpu\"]")
+    for i, dev in enumerate([*a.devices, le.device]):
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
+            where = f"actors.devices[{i}]" if i < len(a.devices) else "learner.device"
+            errors.append(f"{where}: unknown device {dev!r} (use 'cpu', 'cuda' or 'cuda:N')")
+    bad_ids = [i for i in a.slow_actor_ids if not 0 <= i < a.num_actors]
+    if bad_ids:
+        errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")
+    samples = cfg.rollouts_per_update * a.num_envs * t.buffer_size
+    if alg.batch_size > samples:
+        errors.append(f"algorithm.cfg.batch_size: {alg.batch_size} is larger than one update's data "
+                      f"(rollouts_per_update x actors.num_envs x trainer.buffer_size = {samples})")
+    if t.buffer_type == "vla" and t.buffer_capacity < cfg.rollouts_per_update:
+        errors.append(f"trainer.buffer_capacity: {t.buffer_capacity} cannot hold one update's "
+                      f"{cfg.rollouts_per_update} rollouts (trainer.rollouts_per_update, default num_actors)")
+    if cfg.algorithm.name == "ppo" and (p.name != "actor_critic" or p.critic is None):
+        errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block "
+                      f"(got name {p.name!r}{', critic null' if p.critic is None else ''})")
+    if p.name != "actor_critic":
+        errors.append(f"policy.name: {p.name!r} is not available in this version (only \"actor_critic\")")
+    if t.use_wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            errors.append("trainer.use_wandb: true needs the wandb package (pip install wandb)")
+    return errors
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. trainer.total_steps=50000")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text  # bare strings: --set env.id=Pendulum-v1
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {override!r}: {part!r} is not a block")
+    node[parts[-1]] = value
+
+
+def config_from_dict(raw: dict, source: str = "<dict>", overrides: list[str] = ()) -> Config:
+    """Validate a raw dict into a :class:`Config`.
+
+    Raises:
+        ConfigError: listing every unknown key, wrong type and broken cross-field rule,
+            each prefixed with `source` and the dotted key.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object")
+    try:
+        raw = json.loads(json.dumps(raw))  # deep copy; the caller's dict is never mutated
+    except (TypeError, ValueError) as e:  # a value JSON cannot hold (object, set, circular reference)
+        raise ConfigError(f"{source}: not JSON data: {e}") from None
+    for o in overrides:
+        _apply_override(raw, o)
+    errors: list[str] = []
+    cfg = _build(Config, raw, "", errors)
+    if not errors:
+        errors = _check(cfg)
+    if errors:
+        lines = "\n".join(f"  {source}: {e}" for e in errors)
+        raise ConfigError(f"invalid config ({len(errors)} problem{'s' * (len(errors) > 1)}):\n{lines}")
+    cfg.source = source
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Load and validate a JSON config file; `overrides` are ``"block.key=json"`` strings."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8 text
+        raise ConfigError(f"{path}: cannot read the config file: {e}") from None
+    return config_from_dict(raw, source=str(path), overrides=overrides)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

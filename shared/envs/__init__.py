@@ -1,0 +1,26 @@
+"""Env adapters: gymnasium vector envs and torch-native batched simulators, one protocol."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.envs.base import ActionSpec, BatchedEnv, EnvSpec, StepResult
+
+TORCH_NATIVE_PREFIX = "tandem/"
+
+
+def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
+             device: str | torch.device = "cpu") -> BatchedEnv:
+    """Build ``num_envs`` envs of ``env_id`` as one :class:`BatchedEnv`.
+
+    ``tandem/<Name>`` ids are torch-native batched simulators that run on ``device``; anything else
+    is a gymnasium id stepped on the CPU (``device`` then only says where the policy runs).
+    """
+    if env_id.startswith(TORCH_NATIVE_PREFIX):
+        from shared.envs.torch_envs import make_torch_env
+        return make_torch_env(env_id[len(TORCH_NATIVE_PREFIX):], num_envs, env_kwargs or {}, device)
+    from shared.envs.gym_env import GymBatchedEnv
+    return GymBatchedEnv(env_id, num_envs, env_kwargs)
+
+
+__all__ = ["ActionSpec", "BatchedEnv", "EnvSpec", "StepResult", "make_env"]

@@ -1,0 +1,73 @@
+"""The batched-env protocol every actor steps, and the specs both processes agree on.
+
+A :class:`BatchedEnv` owns ``num_envs`` environments and returns torch tensors on its own
+``device``: gymnasium vector envs convert from numpy (CPU); torch-native batched simulators
+(``tandem/...`` ids) keep everything on the actor's device until the rollout is sent.
+
+On the step where an episode ends, ``obs`` is already the first observation of the next episode
+(auto-reset); ``final_obs`` holds the true last observation of the finished episode there, which
+is what truncated steps bootstrap from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    kind: Literal["discrete", "box"]
+    shape: tuple[int, ...]            # () for discrete
+    n: int = 0                        # number of actions (discrete)
+    low: tuple[float, ...] = ()       # bounds (box), flattened
+    high: tuple[float, ...] = ()
+
+    @property
+    def dim(self) -> int:
+        """Size of the policy head: n for discrete, prod(shape) for box."""
+        if self.kind == "discrete":
+            return self.n
+        out = 1
+        for s in self.shape:
+            out *= s
+        return out
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What a policy and a rollout need to know about an env (one env, no batch dim)."""
+    obs_shape: tuple[int, ...]
+    obs_dtype: torch.dtype
+    action: ActionSpec
+    max_episode_steps: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+class StepResult(NamedTuple):
+    obs: torch.Tensor                # [N, *obs] next observation (reset obs where an episode ended)
+    reward: torch.Tensor             # [N] float32
+    terminated: torch.Tensor         # [N] bool
+    truncated: torch.Tensor          # [N] bool
+    final_obs: torch.Tensor          # [N, *obs] true last observation where done, else == obs
+    episode_returns: list[float]     # episodes that ended on this step (undiscounted, raw reward)
+    episode_lengths: list[int]
+
+
+@runtime_checkable
+class BatchedEnv(Protocol):
+    num_envs: int
+    spec: EnvSpec
+    device: torch.device
+
+    def reset(self, seed: int | None = None) -> torch.Tensor:
+        """Reset every env; returns ``[N, *obs]``. Env i is seeded ``seed + i`` when a seed is given."""
+        ...
+
+    def step(self, action: torch.Tensor) -> StepResult:
+        """Step every env with ``action`` (``[N, *action]``, as sampled; the env clips to its bounds)."""
+        ...
+
+    def close(self) -> None: ...

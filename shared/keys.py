@@ -1,0 +1,31 @@
+"""Every TensorDict key Tandem uses, spelled once.
+
+Rollouts are flat, batch-first ``[N, T]`` TensorDicts (N envs x T steps). We do not use
+TorchRL's ``("next", ...)`` sub-TensorDict: the only "next" quantity the learner needs is the
+value of the true state after each step, which the actor computes and sends as ``NEXT_VALUE``
+(see ``actors/rollout.py``). The one place that talks to TorchRL (the GAE reference test)
+converts there.
+"""
+
+OBS = "observation"             # tensor, or a nested TensorDict for multi-modal input
+ACTION = "action"               # as sampled by the policy (unclipped for Box spaces)
+LOG_PROB = "sample_log_prob"    # log-prob of ACTION under the policy that acted
+VALUE = "value"                 # V(OBS) under the policy that acted
+NEXT_VALUE = "next_value"       # V(true state after the step): the final observation on
+                                # truncation, never the auto-reset observation
+REWARD = "reward"
+TERMINATED = "terminated"       # the MDP ended: no bootstrap
+TRUNCATED = "truncated"         # cut by a time limit: bootstrap from NEXT_VALUE
+DONE = "done"                   # terminated | truncated: GAE recursion stops here
+POLICY_VERSION = "policy_version"  # int64, the weight version that chose ACTION
+
+# Learner-side, added to sampled batches (never sent by actors)
+ADVANTAGE = "advantage"
+VALUE_TARGET = "value_target"
+
+# Per-rollout episode statistics travel in the message meta (they are not [N, T]-shaped).
+META_EPISODE_RETURNS = "episode_returns"
+META_EPISODE_LENGTHS = "episode_lengths"
+
+ROLLOUT_STEP_KEYS = (ACTION, LOG_PROB, VALUE, NEXT_VALUE, REWARD, TERMINATED, TRUNCATED, DONE,
+                     POLICY_VERSION)

@@ -1,0 +1,102 @@
+"""MLP actor-critic for Box (Gaussian, learnable state-independent log-std) and Discrete spaces.
+
+TensorDict in, TensorDict out. Observation normalisation lives inside the policy (its buffers), so
+the statistics the actor used travel with the weights and reach checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+from shared import keys
+from shared.config import NetConfig, PolicyConfig
+from shared.envs.base import EnvSpec
+from shared.policies.normalization import ObsNormalizer
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
+
+
+def mlp(in_dim: int, net: NetConfig, out_dim: int, out_gain: float, ortho: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    last = in_dim
+    for h in net.network_cfg.hidden_sizes:
+        layers += [nn.Linear(last, h), _ACTIVATIONS[net.network_cfg.activation]()]
+        last = h
+    layers.append(nn.Linear(last, out_dim))
+    if ortho:  # CleanRL/SB3 initialisation: sqrt(2) hidden, small policy head, unit value head
+        linears = [m for m in layers if isinstance(m, nn.Linear)]
+        for i, m in enumerate(linears):
+            nn.init.orthogonal_(m.weight, out_gain if i == len(linears) - 1 else math.sqrt(2))
+            nn.init.zeros_(m.bias)
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    """Policy interface: ``forward(td, deterministic)``, ``get_value(td)``, ``evaluate_actions(td)``.
+
+    Reads ``td["observation"]`` (``[*B, *obs_shape]``); writes ``action``, ``sample_log_prob``
+    (``[*B]``) and ``value`` (``[*B]``).
+    """
+
+    def __init__(self, spec: EnvSpec, cfg: PolicyConfig):
+        super().__init__()
+        if len(spec.obs_shape) != 1:
+            raise ValueError(f"actor_critic needs a flat observation vector, got shape {spec.obs_shape}")
+        self.spec = spec
+        obs_dim = spec.obs_shape[0]
+        self.obs_norm = ObsNormalizer(spec.obs_shape, clip=cfg.clip_obs) if cfg.normalize_obs else None
+        self.discrete = spec.action.kind == "discrete"
+        self.actor = mlp(obs_dim, cfg.actor, spec.action.dim, 0.01, cfg.ortho_init)
+        self.critic = mlp(obs_dim, cfg.critic, 1, 1.0, cfg.ortho_init)
+        if not self.discrete:
+            self.log_std = nn.Parameter(torch.full((spec.action.dim,), float(cfg.log_std_init)))
+        self._action_shape = spec.action.shape
+
+    def _features(self, obs: torch.Tensor) -> torch.Tensor:
+        obs = obs.to(torch.float32)
+        return self.obs_norm(obs) if self.obs_norm is not None else obs
+
+    def _dist(self, x: torch.Tensor):
+        out = self.actor(x)
+        if self.discrete:
+            return Categorical(logits=out)
+        return Normal(out, self.log_std.exp().expand_as(out))
+
+    def _log_prob(self, dist, action: torch.Tensor) -> torch.Tensor:
+        if self.discrete:
+            return dist.log_prob(action.long())
+        return dist.log_prob(action.reshape(*action.shape[:-len(self._action_shape)], -1)).sum(-1)
+
+    def forward(self, td: TensorDictBase, deterministic: bool = False) -> TensorDictBase:
+        x = self._features(td[keys.OBS])
+        dist = self._dist(x)
+        if deterministic:
+            action = dist.probs.argmax(-1) if self.discrete else dist.mean
+        else:
+            action = dist.sample()
+        if not self.discrete:
+            action = action.reshape(*action.shape[:-1], *self._action_shape)
+        td.set(keys.ACTION, action)
+        td.set(keys.LOG_PROB, self._log_prob(dist, action))
+        td.set(keys.VALUE, self.critic(x).squeeze(-1))
+        return td
+
+    def get_value(self, td: TensorDictBase) -> torch.Tensor:
+        return self.critic(self._features(td[keys.OBS])).squeeze(-1)
+
+    def evaluate_actions(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy of ``td["action"]`` under this policy, and the value: each ``[*B]``."""
+        x = self._features(td[keys.OBS])
+        dist = self._dist(x)
+        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
+        return self._log_prob(dist, td[keys.ACTION]), entropy, self.critic(x).squeeze(-1)
+
+    @torch.no_grad()
+    def update_normalizer(self, obs: torch.Tensor) -> None:
+        if self.obs_norm is not None:
+            self.obs_norm.update(obs)

@@ -1,0 +1,144 @@
+"""ZeroMQ sockets for both sides, framed by :mod:`shared.wire`. No pickle anywhere.
+
+Learner: a PULL socket receives rollouts (and evaluation results); an XPUB socket publishes
+weights. XPUB tells the learner when a subscriber joins, so a late actor gets the current weights
+at once instead of waiting for the next update. Actors: PUSH and SUB.
+
+Every socket here has a bounded linger and high-water marks, so closing never hangs and memory
+stays bounded when one side outruns the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from tensordict import TensorDictBase
+
+from shared import wire
+
+LINGER_MS = 1000
+
+
+def _socket(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, LINGER_MS)
+    for name, value in opts.items():
+        s.setsockopt(getattr(zmq, name), value)
+    return s
+
+
+def bind(sock: zmq.Socket, host: str, port: int) -> str:
+    """Bind ``tcp://host:port`` (port 0: a free one) and return the address actors should use."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def write_endpoints(run_dir: Path, rollouts: str, weights: str) -> Path:
+    path = Path(run_dir) / "endpoints.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"rollouts": rollouts, "weights": weights, "pid": os.getpid()}) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+    return path
+
+
+def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
+    """Wait for ``endpoints.json`` (the learner writes it when its sockets are bound) and read it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            data = json.loads(Path(path).read_text())
+            return {"rollouts": data["rollouts"], "weights": data["weights"]}
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: no learner endpoints after {timeout_s:.0f} s "
+                                   f"(is the learner running with this run directory?)") from None
+            time.sleep(0.05)
+
+
+class WeightsPublisher:
+    """XPUB socket: publishes weights, re-sends the latest to every new subscriber."""
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int = 0):
+        self.sock = _socket(ctx, zmq.XPUB, SNDHWM=8, XPUB_VERBOSE=1)
+        self.endpoint = bind(self.sock, host, port)
+        self._last: list | None = None
+        self.subscribers_seen = 0
+
+    def publish(self, td: TensorDictBase, **meta: Any) -> None:
+        self._last = wire.encode(td, **meta)
+        self.sock.send_multipart(self._last, copy=False)
+
+    def send_control(self, **meta: Any) -> None:
+        from tensordict import TensorDict
+        self.sock.send_multipart(wire.encode(TensorDict({}, []), **meta))
+
+    def serve_subscriptions(self) -> int:
+        """Handle pending subscribe events; re-send the latest weights if anyone joined."""
+        joined = 0
+        while self.sock.poll(0):
+            msg = self.sock.recv()
+            if msg[:1] == b"\x01":
+                joined += 1
+        if joined and self._last is not None:
+            self.sock.send_multipart(self._last, copy=False)
+        self.subscribers_seen += joined
+        return joined
+
+    def close(self) -> None:
+        self.sock.close(linger=LINGER_MS)
+
+
+class WeightsSubscriber:
+    """SUB socket on the learner's weights; :meth:`newest` drains and keeps only the last message."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.sock = _socket(ctx, zmq.SUB, RCVHWM=4)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+
+    def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
+        """The newest message that arrived (waiting up to `timeout_ms` for the first), decoded; or
+        None. Malformed messages are skipped (the learner is trusted, but a bug must not kill actors)."""
+        latest = None
+        if not self.sock.poll(timeout_ms):
+            return None
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                td, meta = wire.decode(frames)
+            except wire.WireError:
+                continue
+            if meta.get("kind") == "stop":
+                return td, meta  # a stop request wins over any weights queued before it
+            latest = (td, meta)
+        return latest
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RolloutPusher:
+    """PUSH socket to the learner. Sends without copying and tracks when ZeroMQ is done with the
+    memory, so the caller never overwrites a rollout that is still being sent."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, hwm: int = 4):
+        self.sock = _socket(ctx, zmq.PUSH, SNDHWM=hwm)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list, timeout_ms: int) -> zmq.MessageTracker | None:
+        """Send, waiting at most `timeout_ms` for room in the queue. Returns the tracker, or None
+        if the queue stayed full (the learner is gone or far behind)."""
+        if not self.sock.poll(timeout_ms, zmq.POLLOUT):
+            return None
+        return self.sock.send_multipart(frames, copy=False, track=True)
+
+    def close(self) -> None:
+        self.sock.close(linger=LINGER_MS)
