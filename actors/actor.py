@@ -62,6 +62,7 @@ class Actor:
         self._trackers: list[zmq.MessageTracker | None] = [None, None]
         self.rollouts_since_sync = 0
         self.failed = False   # set when the actor gives up on an unreachable learner
+        self._last_acted = -1
 
     # ------------------------------------------------------------------ weights
     def _apply(self, msg: tuple[TensorDictBase, dict] | None) -> bool:
@@ -125,24 +126,33 @@ class Actor:
                 pass
         self._trackers[index] = None
 
+    def step_once(self) -> bool:
+        """Take weights if due, collect one rollout and send it. Returns False when the actor should stop.
+
+        In standard mode the actor first waits for a version newer than the one its previous
+        rollout was acted by: the learner trains only on its current version's data.
+        """
+        newer_than = self._last_acted if self.cfg.trainer.buffer_type == "standard" else -1
+        if self.version <= newer_than and not self._wait_for_version(newer_than):
+            return False
+        if self.rollouts_since_sync >= self.cfg.actors.sync_every:
+            if not self._apply(self.weights.newest(0)):
+                return False
+            self.rollouts_since_sync = 0
+        self._wait_storage_free(self.collector._next)
+        rollout, stats, index = self.collector.collect(self.version)
+        self._last_acted = self.version
+        if not self._send(rollout, stats, index):
+            return False
+        self.rollouts_since_sync += 1
+        return True
+
     def run(self) -> int:
-        standard = self.cfg.trainer.buffer_type == "standard"
         if not self._wait_for_version(-1):
             return 1 if self.failed else 0
         log.info("actor %d: running on %s with weights version %d", self.actor_id, self.device, self.version)
-        while not self.stop_event.is_set():
-            if self.rollouts_since_sync >= self.cfg.actors.sync_every:
-                if not self._apply(self.weights.newest(0)):
-                    break
-                self.rollouts_since_sync = 0
-            self._wait_storage_free(self.collector._next)
-            rollout, stats, index = self.collector.collect(self.version)
-            acted = self.version
-            if not self._send(rollout, stats, index):
-                break
-            self.rollouts_since_sync += 1
-            if standard and not self._wait_for_version(acted):
-                break
+        while not self.stop_event.is_set() and self.step_once():
+            pass
         return 1 if self.failed else 0
 
     def close(self) -> None:

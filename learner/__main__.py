@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: <output_dir>/<exp_name>/<date-time>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     p.add_argument("--no-eval", action="store_true", help="do not start the evaluator process")
+    p.add_argument("--discard", action="store_true",
+                   help="benchmark: receive and count rollouts without training (transport cost alone)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set trainer.total_steps=50000 (repeatable)")
     args = p.parse_args(argv)
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from learner.process import run_learner_process
     try:
         return run_learner_process(cfg, args.run_dir or default_run_dir(cfg), resume=args.resume,
-                                   evaluator=not args.no_eval)
+                                   evaluator=not args.no_eval, discard=args.discard)
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 2

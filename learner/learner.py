@@ -87,8 +87,9 @@ class Learner:
     """
 
     def __init__(self, cfg: Config, run_dir: Path | None, publisher: Publisher, resume: bool = False,
-                 logger: RunLogger | None = None):
+                 logger: RunLogger | None = None, discard: bool = False):
         self.cfg = cfg
+        self.discard = discard   # benchmark mode: receive, decode, check and count, never store
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.device = torch.device(cfg.learner.device)
         self.publisher, self.logger = publisher, logger
@@ -185,6 +186,8 @@ class Learner:
             for r, n in zip(returns, lengths):
                 if isinstance(r, (int, float)) and isinstance(n, int):
                     self._episodes.append((float(r), n))
+        if self.discard:
+            return
         if self.reward_scaler is not None:
             self.reward_scaler.observe(actor, td[keys.REWARD], td[keys.DONE])
         lag = self.version - vmin

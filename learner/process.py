@@ -47,8 +47,13 @@ def _receive_loop(learner: Learner, sock: zmq.Socket, stop: threading.Event) -> 
             learner.note_rejected(f"{type(e).__name__} while ingesting from actor {meta.get('actor')!r}: {e}")
 
 
-def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evaluator: bool = True) -> int:
-    """Run the learner until ``total_steps`` or a stop signal. Returns the process exit code."""
+def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evaluator: bool = True,
+                        discard: bool = False) -> int:
+    """Run the learner until ``total_steps`` or a stop signal. Returns the process exit code.
+
+    With `discard`, rollouts are received, decoded, checked and counted but never trained on
+    (the transport-cost benchmark); version 0 stays the only version.
+    """
     torch.set_num_threads(cfg.learner.torch_threads)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,14 +78,14 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     publisher = WeightsPublisher(ctx, cfg.learner.host, cfg.learner.weights_port)
     endpoints = {"rollouts": rollouts_ep, "weights": publisher.endpoint}
     logger = RunLogger(run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict())
-    learner = Learner(cfg, run_dir, publisher, resume=resume, logger=logger)
+    learner = Learner(cfg, run_dir, publisher, resume=resume, logger=logger, discard=discard)
     write_endpoints(run_dir, **endpoints)
     print(f"[learner] run dir {run_dir} | rollouts {rollouts_ep} | weights {publisher.endpoint} | "
           f"mode {cfg.trainer.buffer_type} | {cfg.env.id}" + (f" | resumed at v{learner.version}" if resume else ""),
           flush=True)
 
     eval_proc = None
-    if evaluator and cfg.trainer.eval_freq >= 0:
+    if evaluator and not discard:
         eval_proc = mp.get_context("spawn").Process(
             target=run_evaluator, args=(cfg.to_dict(), cfg.source, endpoints, os.getpid()), daemon=True,
             name="tandem-evaluator")
@@ -100,6 +105,9 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
             if time.time() - last_progress >= cfg.trainer.log_interval_s:
                 print(learner.progress_line(), flush=True)
                 last_progress = time.time()
+            if discard:
+                time.sleep(0.05)
+                continue
             batch = learner.take_batch(timeout_s=0.05)
             if batch is None:
                 continue

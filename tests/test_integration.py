@@ -1,0 +1,526 @@
+"""Integration tests: real processes through ``launch/run_local.sh`` and ``python -m learner``
+(DESIGN.md "Launch and outputs", "Weights and versions", "Modes"; STYLE.md habit 15, the slow tier).
+
+Every test that starts processes starts them in a new session (their own process group), stops the
+whole group in a ``finally`` within a bounded time, and checks with psutil that no learner, actor,
+evaluator or ``tee`` process of the run is left behind. Step budgets are tiny (CartPole, a few
+thousand env steps) so that the file runs in a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "cartpole_ppo.json"
+LAUNCH = ROOT / "launch" / "run_local.sh"
+
+RUN_TIMEOUT_S = 180      # one short run (CPU may be shared with another job: generous)
+STOP_TIMEOUT_S = 20      # our own cleanup: TERM the group, then KILL
+GONE_TIMEOUT_S = 10      # how long processes may take to disappear after their launcher exited
+
+
+# ============================================================================ process helpers
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Started:
+    """A process started in its own session, with every descendant it ever had remembered.
+
+    `wait` polls the process and records its descendants (so that grandchildren such as the
+    evaluator, which outlive nobody's notice otherwise, can be checked afterwards); `stop`
+    TERMs then KILLs the whole process group, always bounded in time.
+    """
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pgid = self.proc.pid
+        self.seen: dict[int, psutil.Process] = {}
+
+    def snapshot(self) -> list[psutil.Process]:
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        for k in kids:
+            self.seen.setdefault(k.pid, k)
+        return kids
+
+    def wait(self, timeout_s: float, until: Callable[[], bool] | None = None,
+             every: Callable[[], None] | None = None) -> int | None:
+        """Wait for exit (returns the code) or for `until()` (returns None); fail on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.snapshot()
+            if every is not None:
+                every()
+            if until is not None and until():
+                return None
+            rc = self.proc.poll()
+            if rc is not None:
+                return rc
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.proc.args} still running after {timeout_s:.0f} s; output:\n{self.output()}")
+            time.sleep(0.1)
+
+    def group(self) -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == self.pgid and _alive(p):
+                    out.append(p)
+            except (OSError, psutil.Error):
+                pass
+        return out
+
+    def leftovers(self, run_dir: Path | None = None) -> list[psutil.Process]:
+        """Live processes of this run: its group, its remembered descendants, and any
+        ``-m learner`` / ``-m actors`` process that names `run_dir`."""
+        found = {p.pid: p for p in self.group()}
+        found.update({pid: p for pid, p in self.seen.items() if _alive(p)})
+        if run_dir is not None:
+            found.update({p.pid: p for p in tandem_processes(run_dir)})
+        if self.proc.poll() is None:
+            found.pop(self.proc.pid, None)
+            found[self.proc.pid] = psutil.Process(self.proc.pid)
+        return list(found.values())
+
+    def assert_all_gone(self, run_dir: Path | None = None, timeout_s: float = GONE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = self.leftovers(run_dir)
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, "processes left behind: " + "; ".join(_describe(p) for p in left)
+
+    def stop(self) -> None:
+        """Stop everything this run started, whatever state it is in (bounded: ~STOP_TIMEOUT_S)."""
+        try:
+            if self.proc.poll() is None:
+                self.snapshot()
+                _killpg(self.pgid, signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            deadline = time.monotonic() + 5
+            while self.leftovers() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _killpg(self.pgid, signal.SIGKILL)
+            for p in self.seen.values():
+                if _alive(p):
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            self._log.close()
+
+    def output(self) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid} ({' '.join(p.cmdline())[:200]})"
+    except psutil.Error:
+        return f"pid {p.pid}"
+
+
+def tandem_processes(run_dir: Path) -> list[psutil.Process]:
+    """Live python processes started as ``-m learner`` or ``-m actors`` with `run_dir` in their args."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        line = " ".join(cmd)
+        if ("-m learner" in line or "-m actors" in line) and any(str(run_dir) in a for a in cmd) and _alive(p):
+            out.append(p)
+    return out
+
+
+def launch(tmp_path: Path, out: Path, *args: str, name: str = "launch") -> Started:
+    return Started(["bash", str(LAUNCH), "--out", str(out), *args], tmp_path / f"{name}.out")
+
+
+# ============================================================================ run-directory readers
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def publishes(events: list[dict], final: bool | None = None) -> list[dict]:
+    return [e for e in events if e["event"] == "publish" and (final is None or bool(e.get("final")) == final)]
+
+
+def consumes(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["event"] == "consume"]
+
+
+def update_lines(metrics: list[dict]) -> list[dict]:
+    """metrics.jsonl lines written by updates (evaluation lines carry ``eval/…`` keys only)."""
+    return [m for m in metrics if "updates" in m]
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    found = sorted((run_dir / "checkpoints").glob("ckpt_*.pt"))
+    assert found, f"no ckpt_*.pt in {run_dir / 'checkpoints'}"
+    return found[-1]
+
+
+def load_ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_versions_publish_sequence(events: list[dict], start: int = 0) -> list[int]:
+    """Non-final publish events go start, start+1, ... without gaps; a final re-publish (the
+    weights sent to the evaluator once more at the end) repeats the last version only."""
+    versions = [e["version"] for e in publishes(events, final=False)]
+    assert versions, "no publish events"
+    assert versions == list(range(start, start + len(versions))), f"publish versions not +1 from {start}: {versions}"
+    for e in publishes(events, final=True):
+        assert e["version"] == versions[-1], f"final publish {e} is not the last version {versions[-1]}"
+    steps = [e["env_steps"] for e in publishes(events, final=False)]
+    assert steps == sorted(steps), f"publish env_steps go backwards: {steps}"
+    return versions
+
+
+def assert_consume_lags(events: list[dict], max_lag: int) -> list[dict]:
+    cons = consumes(events)
+    assert cons, "no consume events"
+    for e in cons:
+        assert e["lag"] == e["learner_version"] - e["policy_version"], e
+        assert 0 <= e["lag"] <= max_lag, f"lag outside [0, {max_lag}]: {e}"
+    return cons
+
+
+def assert_update_metrics(metrics: list[dict], updates: int) -> list[dict]:
+    lines = update_lines(metrics)
+    assert len(lines) == updates, f"{len(lines)} update lines in metrics.jsonl for {updates} updates"
+    for m in lines:
+        for k in ("loss/loss_policy", "lag/mean", "perf/sps", "perf/learner_wait_s", "env_steps", "version"):
+            assert k in m, f"metrics line lacks {k!r}: {sorted(m)}"
+    assert [m["updates"] for m in lines] == sorted(m["updates"] for m in lines)
+    return lines
+
+
+# ============================================================================ tests
+
+@pytest.mark.slow
+def test_run_local_two_actors_versions(tmp_path):
+    run_dir = tmp_path / "run"
+    seen_endpoints: list[dict] = []
+
+    def grab_endpoints() -> None:   # endpoints.json lives only while the learner runs
+        if not seen_endpoints:
+            try:
+                seen_endpoints.append(json.loads((run_dir / "endpoints.json").read_text()))
+            except (OSError, ValueError):
+                pass
+
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "6000", "--set", "trainer.eval_freq=2000")
+    try:
+        rc = run.wait(RUN_TIMEOUT_S, every=grab_endpoints)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+
+    # endpoints.json: written at start-up, removed at a clean exit; the learner logs the same addresses.
+    assert seen_endpoints, "endpoints.json was never seen while the run was going"
+    ep = seen_endpoints[0]
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", ep["rollouts"]) and re.fullmatch(r"tcp://127\.0\.0\.1:\d+",
+                                                                                   ep["weights"]), ep
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert f"rollouts {ep['rollouts']}" in learner_log and f"weights {ep['weights']}" in learner_log, learner_log
+    assert not (run_dir / "endpoints.json").exists(), "endpoints.json left after a clean exit"
+    for i in (0, 1):
+        assert (run_dir / "logs" / f"actor_{i}.log").is_file()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["stopped_by"] is None, summary
+    assert summary["env_steps"] >= 6000 and summary["updates"] >= 1, summary
+
+    events = read_jsonl(run_dir / "versions.jsonl")
+    versions = assert_versions_publish_sequence(events, start=0)
+    assert versions[-1] == summary["version"] == summary["updates"], (versions, summary)
+    cons = assert_consume_lags(events, max_lag=0)       # standard mode is strictly on-policy: lag 0
+    assert {e["actor"] for e in cons} == {0, 1}, "both actors' rollouts must be consumed"
+    assert all(e["env_steps"] == 8 * 32 for e in cons)  # num_envs x buffer_size
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    lines = assert_update_metrics(metrics, summary["updates"])
+    assert [m["version"] for m in lines] == list(range(1, summary["updates"] + 1))
+    assert all(m["lag/mean"] == 0.0 for m in lines)
+    evals = [m for m in metrics if "eval/return_mean" in m]
+    assert evals, "no eval/return_mean line in metrics.jsonl"
+    assert all(m["eval/return_mean"] > 0 for m in evals)
+
+    ckpt_path = newest_checkpoint(run_dir)
+    ckpt = load_ckpt(ckpt_path)
+    for k in ("policy", "optimizer", "version", "env_steps"):
+        assert k in ckpt, f"{ckpt_path.name} lacks {k!r}"
+    assert ckpt["version"] == summary["version"] and ckpt_path.name == f"ckpt_{summary['version']:08d}.pt"
+    assert 6000 <= ckpt["env_steps"] <= summary["env_steps"]
+
+    assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard events file"
+
+
+@pytest.mark.slow
+def test_vla_mode_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
+                 "--set", "trainer.eval_freq=0")
+    try:
+        rc = run.wait(RUN_TIMEOUT_S)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["trainer"]["buffer_type"] == "vla"
+    max_lag = cfg["trainer"]["max_policy_lag"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0, summary
+    events = read_jsonl(run_dir / "versions.jsonl")
+    assert_versions_publish_sequence(events, start=0)
+    assert_consume_lags(events, max_lag=max_lag)
+    for e in events:
+        if e["event"] == "drop":
+            assert e["reason"] in ("lag", "stale", "overwritten"), e
+    assert_update_metrics(read_jsonl(run_dir / "metrics.jsonl"), summary["updates"])
+    assert "mode vla" in (run_dir / "logs" / "learner.log").read_text()
+
+
+@pytest.mark.slow
+def test_slow_actor_does_not_block_vla(tmp_path):
+    """Actor 1 sleeps 20 ms per env step (>= 0.64 s per 32-step rollout); in vla mode the learner
+    takes any rollouts, so it keeps training on actor 0's data and never waits for actor 1.
+
+    ``total_steps`` counts every env step received (actor 0 alone sends thousands per second), so
+    the budget is sized for a few seconds of training, enough for actor 1 to send some rollouts.
+    """
+    run_dir = tmp_path / "run"
+    slowdown_s = 0.02
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "40000", "--set", "trainer.buffer_type=vla",
+                 "--set", "trainer.eval_freq=0", "--set", f"actors.slowdown_s={slowdown_s}",
+                 "--set", "actors.slow_actor_ids=[1]")
+    try:
+        rc = run.wait(RUN_TIMEOUT_S)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+
+    cfg = json.loads((run_dir / "config.json").read_text())
+    slow_rollout_s = cfg["trainer"]["buffer_size"] * slowdown_s      # a lower bound on actor 1's collect time
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0, summary
+    events = read_jsonl(run_dir / "versions.jsonl")
+    cons = assert_consume_lags(events, max_lag=cfg["trainer"]["max_policy_lag"])
+    by_actor = {a: sum(1 for e in cons if e["actor"] == a) for a in (0, 1)}
+    sent_by_1 = [e for e in events if e["event"] in ("consume", "drop") and e["actor"] == 1]
+    assert sent_by_1, "actor 1 never delivered a rollout (is it running?)"
+    assert by_actor[0] >= 4 * max(by_actor[1], 1), f"consume events per actor: {by_actor}"
+
+    lines = assert_update_metrics(read_jsonl(run_dir / "metrics.jsonl"), summary["updates"])
+    assert len(lines) >= 4, f"only {len(lines)} updates"
+    # The first update waits for the actors' start-up; after that the learner must not wait on actor 1.
+    wait_after_first = sum(m["perf/learner_wait_s"] for m in lines[1:])
+    assert wait_after_first < 0.5 * slow_rollout_s, (
+        f"learner waited {wait_after_first:.3f} s over {len(lines) - 1} updates; actor 1 needs >= "
+        f"{slow_rollout_s:.2f} s per rollout")
+    # While actor 1 collected its rollouts the learner kept publishing new versions.
+    t1 = sorted(e["time"] for e in sent_by_1)
+    pubs = [e["time"] for e in publishes(events, final=False)]
+    if len(t1) >= 2:
+        during = sum(1 for t in pubs if t1[0] < t <= t1[-1])
+        assert during >= len(t1) - 1, f"{during} publishes while actor 1 sent {len(t1)} rollouts"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_everything(tmp_path):
+    run_dir = tmp_path / "run"
+    versions_path = run_dir / "versions.jsonl"
+
+    def three_publishes() -> bool:
+        try:
+            return versions_path.read_text().count('"event":"publish"') >= 3
+        except OSError:
+            return False
+
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000")
+    try:
+        assert run.wait(120, until=three_publishes) is None, f"the run ended early:\n{run.output()}"
+        before = run.snapshot()
+        cmdlines = [" ".join(p.cmdline()) for p in before if _alive(p)]
+        assert any("-m learner" in c for c in cmdlines) and sum("-m actors" in c for c in cmdlines) == 2, cmdlines
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        try:
+            rc = run.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launcher still running 15 s after SIGTERM:\n{run.output()}")
+        stop_s = time.monotonic() - t0
+        assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{run.output()}"
+        run.assert_all_gone(run_dir, timeout_s=5)
+    finally:
+        run.stop()
+
+    assert stop_s < 15
+    ckpt = load_ckpt(newest_checkpoint(run_dir))
+    assert ckpt["version"] >= 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["version"] == ckpt["version"], summary
+    assert "SIGTERM" in (tmp_path / "launch.out").read_text()
+
+
+@pytest.mark.slow
+def test_resume_continues_version(tmp_path):
+    run_dir = tmp_path / "run"
+    first = launch(tmp_path, run_dir, "--actors", "2", "--steps", "4000", "--set", "trainer.eval_freq=0",
+                   name="first")
+    try:
+        assert first.wait(RUN_TIMEOUT_S) == 0, first.output()
+        first.assert_all_gone(run_dir)
+    finally:
+        first.stop()
+    ckpt_path = newest_checkpoint(run_dir)
+    ckpt = load_ckpt(ckpt_path)
+    n_before = len(read_jsonl(run_dir / "versions.jsonl"))
+    m_before = len(read_jsonl(run_dir / "metrics.jsonl"))
+    assert ckpt["version"] >= 1 and ckpt["env_steps"] >= 4000
+
+    second = launch(tmp_path, run_dir, "--resume", "--actors", "2", "--steps", "8000",
+                    "--set", "trainer.eval_freq=0", name="second")
+    try:
+        assert second.wait(RUN_TIMEOUT_S) == 0, second.output()
+        second.assert_all_gone(run_dir)
+    finally:
+        second.stop()
+
+    assert f"resumed at v{ckpt['version']}" in (run_dir / "logs" / "learner.log").read_text()
+    after = read_jsonl(run_dir / "versions.jsonl")[n_before:]
+    pubs = publishes(after, final=False)
+    assert pubs, "no publish after resume"
+    assert pubs[0]["version"] == ckpt["version"], f"first publish after resume {pubs[0]} vs checkpoint v{ckpt['version']}"
+    assert pubs[0]["env_steps"] == ckpt["env_steps"]
+    assert_versions_publish_sequence(after, start=ckpt["version"])
+    assert len(pubs) >= 2, "no update after resume"
+    cons = assert_consume_lags(after, max_lag=0)
+    assert all(e["policy_version"] >= ckpt["version"] for e in cons), "an actor acted with pre-resume weights"
+
+    lines = update_lines(read_jsonl(run_dir / "metrics.jsonl")[m_before:])
+    assert lines, "no update metrics after resume"
+    assert lines[0]["version"] == ckpt["version"] + 1 and lines[0]["updates"] == ckpt["updates"] + 1, lines[0]
+    assert all(m["env_steps"] > ckpt["env_steps"] for m in lines)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["env_steps"] >= 8000, summary
+    final = load_ckpt(newest_checkpoint(run_dir))
+    assert final["version"] > ckpt["version"] and final["env_steps"] >= 8000
+    assert final["updates"] == summary["updates"] == ckpt["updates"] + len(lines)
+
+
+@pytest.mark.slow
+def test_learner_refuses_bad_messages(tmp_path):
+    import zmq
+
+    from actors.rollout import rollout_template
+    from learner.learner import env_spec_of
+    from shared import keys, wire
+    from shared.config import load_config
+
+    run_dir = tmp_path / "run"
+    learner = Started([sys.executable, "-m", "learner", "--config", str(CONFIG), "--run-dir", str(run_dir),
+                       "--no-eval", "--set", "trainer.buffer_type=vla"], tmp_path / "learner.out")
+    ctx = zmq.Context()
+    try:
+        ep_path = run_dir / "endpoints.json"
+        learner.wait(120, until=ep_path.is_file)
+        endpoints = json.loads(ep_path.read_text())
+
+        cfg = load_config(CONFIG, ["trainer.buffer_type=vla"])
+        good = rollout_template(env_spec_of(cfg), cfg.actors.num_envs, cfg.trainer.buffer_size)
+        obs = good[keys.OBS]
+        bad = good.clone()
+        bad.set(keys.OBS, torch.zeros(*obs.shape[:-1], obs.shape[-1] + 1, dtype=obs.dtype), inplace=False)
+        bad_frames = wire.encode(bad, kind="rollout", actor=0, seq=0, policy_version=0)
+
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.connect(endpoints["rollouts"])
+        garbage = bytes(torch.randint(0, 256, (257,), generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.uint8).tolist())
+        push.send(garbage, copy=True)
+        push.send_multipart(bad_frames, copy=True)
+
+        def both_logged() -> bool:
+            text = learner.output()
+            return "dropped malformed message" in text and "does not match the learner's schema" in text
+
+        assert learner.wait(30, until=both_logged) is None, f"the learner exited:\n{learner.output()}"
+        push.close(linger=0)
+        os.kill(learner.proc.pid, signal.SIGTERM)
+        try:
+            rc = learner.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"learner still running 10 s after SIGTERM:\n{learner.output()}")
+        assert rc in (0, -signal.SIGTERM), f"exit code {rc}\n{learner.output()}"
+        learner.assert_all_gone(run_dir, timeout_s=5)
+    finally:
+        ctx.destroy(linger=0)
+        learner.stop()
+
+    text = (tmp_path / "learner.out").read_text()
+    assert re.search(r"dropped malformed message #1 from .*: header", text), text
+    assert re.search(r"rejected message #1: actor 0: rollout does not match the learner's schema: "
+                     r".*'observation' is torch\.float32 \[8, 32, 5\], expected torch\.float32 \[8, 32, 4\]", text), text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["malformed"] >= 1 and summary["rejected"] >= 1, summary
+    assert summary["rollouts"] == 0 and summary["updates"] == 0 and summary["version"] == 0, summary
+    assert summary["stopped_by"] == "SIGTERM", summary
+    assert not (run_dir / "endpoints.json").exists()

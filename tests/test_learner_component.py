@@ -1,0 +1,243 @@
+"""Learner and actor logic in one process, no sockets (Sample Factory's serial mode).
+
+The actor's weights come from the learner's ListPublisher; its rollouts go straight to
+``Learner.ingest``. This checks what the processes rely on, in milliseconds: versions stamped on
+steps are the versions that acted, and the learner's update equals a plain PPO loop.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from actors.actor import Actor
+from learner.learner import Learner, ListPublisher, RejectedMessage, make_optimizer
+from shared import keys, wire
+from shared.config import config_from_dict
+from shared.policies import load_weights_, make_policy, weights_td
+
+
+def small_config(**trainer):
+    return config_from_dict({
+        "trainer": {"seed": 3, "total_steps": 10_000, "buffer_size": 16, "buffer_type": "standard",
+                    "eval_freq": 0, "save_freq": 0, **trainer},
+        "actors": {"num_actors": 1, "num_envs": 4},
+        "env": {"id": "CartPole-v1"},
+        "policy": {"normalize_obs": True,
+                   "actor": {"network_cfg": {"hidden_sizes": [16]}},
+                   "critic": {"network_cfg": {"hidden_sizes": [16]}}},
+        "algorithm": {"cfg": {"learning_rate": 3e-3, "n_epochs": 3, "batch_size": 16, "gamma": 0.97,
+                              "gae_lambda": 0.9}},
+    }, source="test")
+
+
+class PublisherSource:
+    """The actor's view of a ListPublisher: the newest published message."""
+
+    def __init__(self, publisher: ListPublisher):
+        self.publisher = publisher
+
+    def newest(self, timeout_ms: int = 0):
+        if not self.publisher.published:
+            return None
+        td, meta = self.publisher.published[-1]
+        return td.clone(), dict(meta)
+
+
+class _Sent:
+    done = True  # stands in for a zmq.MessageTracker whose frames were already copied
+
+
+class CaptureSink:
+    """Decodes what the actor sends (through the real codec) and keeps it."""
+
+    def __init__(self):
+        self.messages: list[tuple[TensorDict, dict]] = []
+
+    def send(self, frames, timeout_ms):
+        td, meta = wire.decode([bytes(f) for f in frames])
+        self.messages.append((td.clone(), meta))
+        return _Sent()
+
+
+def serial_run(cfg, updates: int):
+    """Drive one actor and the learner in lock-step; return the learner, the rollouts it trained
+    on, and every published (weights, meta)."""
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    trained = []
+    for _ in range(updates):
+        assert actor.step_once()
+        td, meta = sink.messages[-1]
+        learner.ingest(td, meta)
+        batch = learner.take_batch(timeout_s=0)
+        assert batch is not None
+        trained.append(batch[0].clone())
+        learner.update_once(*batch)
+    return learner, trained, pub.published, actor
+
+
+def test_version_stamp_is_the_version_that_acted():
+    cfg = small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=10)
+    learner, trained, published, _ = serial_run(cfg, updates=5)
+    weights = {meta["version"]: td for td, meta in published}
+    policy = make_policy(cfg, learner.spec)
+    for rollout in trained:
+        rollout = rollout[0]                                  # [N, T] (k = 1 rollout per update)
+        v = int(rollout[keys.POLICY_VERSION][0, 0])
+        assert (rollout[keys.POLICY_VERSION] == v).all()      # weights change only at rollout boundaries
+        load_weights_(policy, weights[v])
+        with torch.no_grad():
+            logp, _, value = policy.evaluate_actions(rollout)
+        torch.testing.assert_close(logp, rollout[keys.LOG_PROB])
+        torch.testing.assert_close(value, rollout[keys.VALUE])
+        # ... and not the version after it (no off-by-one)
+        load_weights_(policy, weights[v + 1])
+        with torch.no_grad():
+            logp_next, _, _ = policy.evaluate_actions(rollout)
+        assert not torch.allclose(logp_next, rollout[keys.LOG_PROB])
+    versions = [int(r[0][keys.POLICY_VERSION][0, 0]) for r in trained]
+    assert versions == sorted(versions) and versions[0] == 0
+
+
+def plain_ppo(cfg, init_policy, rollouts):
+    """A straightforward single-process PPO over the given rollouts (CleanRL-style), written
+    independently of learner/ppo.py and learner/advantages.py. Returns weights after each update."""
+    a = cfg.algorithm.cfg
+    policy = copy.deepcopy(init_policy)
+    opt = make_optimizer(policy, a.learning_rate, a.adam_eps)
+    gen = torch.Generator().manual_seed(cfg.trainer.seed)
+    out = []
+    for i, data in enumerate(rollouts):
+        flat = data.reshape(-1, data.shape[-1])
+        r, v, nv = flat[keys.REWARD], flat[keys.VALUE], flat[keys.NEXT_VALUE]
+        term, done = flat[keys.TERMINATED].float(), flat[keys.DONE].float()
+        adv = torch.zeros_like(r)
+        last = torch.zeros(r.shape[0])
+        for t in reversed(range(r.shape[1])):
+            delta = r[:, t] + a.gamma * nv[:, t] * (1 - term[:, t]) - v[:, t]
+            last = delta + a.gamma * a.gae_lambda * (1 - done[:, t]) * last
+            adv[:, t] = last
+        b_obs, b_act = flat[keys.OBS].reshape(-1, 4), flat[keys.ACTION].reshape(-1)
+        b_logp, b_adv, b_ret = flat[keys.LOG_PROB].reshape(-1), adv.reshape(-1), (adv + v).reshape(-1)
+        if a.anneal_lr:
+            for g in opt.param_groups:
+                g["lr"] = a.learning_rate * (1 - i * b_obs.shape[0] / cfg.trainer.total_steps)
+        n = b_obs.shape[0]
+        for _ in range(a.n_epochs):
+            perm = torch.randperm(n, generator=gen)
+            for s in range(0, n, a.batch_size):
+                mb = perm[s:s + a.batch_size]
+                x = policy.obs_norm(b_obs[mb])
+                logits = policy.actor(x)
+                logp_all = torch.log_softmax(logits, -1)
+                newlogp = logp_all.gather(-1, b_act[mb].unsqueeze(-1)).squeeze(-1)
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+                ratio = (newlogp - b_logp[mb]).exp()
+                mb_adv = b_adv[mb]
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                pg = torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - a.clip_coef, 1 + a.clip_coef)).mean()
+                vloss = 0.5 * ((policy.critic(x).squeeze(-1) - b_ret[mb]) ** 2).mean()
+                loss = pg - a.ent_coef * entropy.mean() + a.vf_coef * vloss
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), a.max_grad_norm)
+                opt.step()
+        with torch.no_grad():
+            policy.obs_norm.update(b_obs)
+        out.append(copy.deepcopy(policy.state_dict()))
+    return out
+
+
+@pytest.mark.parametrize("anneal", [False, True])
+def test_standard_mode_equals_plain_ppo(anneal):
+    cfg = small_config()
+    cfg.algorithm.cfg.anneal_lr = anneal
+    torch.manual_seed(cfg.trainer.seed)
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    init = copy.deepcopy(learner.policy)
+    learner.publish()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    trained = []
+    after = []
+    for _ in range(4):
+        assert actor.step_once()
+        learner.ingest(*sink.messages[-1])
+        data, infos = learner.take_batch(timeout_s=0)
+        trained.append(data[0].clone())
+        learner.update_once(data, infos)
+        after.append(copy.deepcopy(learner.policy.state_dict()))
+    reference = plain_ppo(cfg, init, trained)
+    for i, (ours, ref) in enumerate(zip(after, reference)):
+        for k in ref:
+            torch.testing.assert_close(ours[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"update {i}, {k}: {m}")
+    # the actor's copy was loaded from the learner's weights: identical to version 3's
+    ours_v3 = pub.published[-2][0]
+    for k, v in weights_td(actor.policy).items(include_nested=True, leaves_only=True):
+        torch.testing.assert_close(v, ours_v3[k])
+
+
+def test_standard_mode_refuses_stale_rollouts():
+    cfg = small_config()
+    learner, _, _, actor = serial_run(cfg, updates=2)
+    stale = actor.collector.collect(version=0)[0].clone()
+    learner.ingest(stale, {"kind": "rollout", "actor": 0, "seq": 99})
+    assert learner.counts["dropped_lag"] == 1 and len(learner.buffer) == 0
+
+
+def test_schema_mismatch_refused_at_first_message_naming_actor():
+    cfg = small_config(buffer_type="vla")
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    bad = learner.template.clone()
+    bad.set(keys.OBS, torch.zeros(4, 16, 5))
+    with pytest.raises(RejectedMessage, match=r"actor 7: .*observation.*\[4, 16, 5\].*\[4, 16, 4\]"):
+        learner.ingest(bad, {"kind": "rollout", "actor": 7, "seq": 0})
+    with pytest.raises(RejectedMessage, match="actor 7: refused earlier"):
+        learner.ingest(learner.template.clone(), {"kind": "rollout", "actor": 7, "seq": 1})
+    nan = learner.template.clone()
+    nan[keys.REWARD][0, 0] = float("nan")
+    with pytest.raises(RejectedMessage, match="actor 2: .*reward.*NaN"):
+        learner.ingest(nan, {"kind": "rollout", "actor": 2, "seq": 0})
+    with pytest.raises(RejectedMessage, match="valid 'actor' id"):
+        learner.ingest(learner.template.clone(), {"kind": "rollout", "actor": "x"})
+    with pytest.raises(RejectedMessage, match="kind 'weights'"):
+        learner.ingest(learner.template.clone(), {"kind": "weights", "actor": 0})
+    assert len(learner.buffer) == 0 and learner.env_steps == 0
+
+
+def test_vla_lag_filter_drops_and_counts():
+    cfg = small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=1)
+    learner, _, _, actor = serial_run(cfg, updates=3)            # learner now at version 3
+    old = actor.collector.collect(version=1)[0].clone()            # lag 2 > 1
+    learner.ingest(old, {"kind": "rollout", "actor": 0, "seq": 50})
+    ok = actor.collector.collect(version=2)[0].clone()             # lag 1
+    learner.ingest(ok, {"kind": "rollout", "actor": 0, "seq": 51})
+    assert learner.counts["dropped_lag"] == 1 and len(learner.buffer) == 1
+
+
+def test_checkpoint_resume_restores_everything(tmp_path):
+    cfg = small_config()
+    learner, _, _, actor = serial_run(cfg, updates=2)
+    learner.run_dir = tmp_path
+    path = learner.save()
+    assert path.exists()
+    resumed = Learner(cfg, run_dir=tmp_path, publisher=ListPublisher(), resume=True)
+    assert (resumed.version, resumed.env_steps, resumed.updates) == (learner.version, learner.env_steps, learner.updates)
+    for k, v in learner.policy.state_dict().items():
+        torch.testing.assert_close(resumed.policy.state_dict()[k], v)
+    assert torch.equal(resumed.generator.get_state(), learner.generator.get_state())
+    # the next update is identical on both
+    rollout = actor.collector.collect(version=learner.version)[0].clone()
+    for l in (learner, resumed):
+        l.ingest(rollout.clone(), {"kind": "rollout", "actor": 0, "seq": 9})
+        l.update_once(*l.take_batch(timeout_s=0))
+    for k, v in learner.policy.state_dict().items():
+        torch.testing.assert_close(resumed.policy.state_dict()[k], v)
