@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:          # spawned workers re-import this file: th
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 TARGET = 0.9                           # transport-only / env+inference should be at least this
 STOP_TIMEOUT_S = 10.0                  # SIGTERM -> SIGKILL grace for every child we start
+MIN_WINDOW_S = 5.0                     # phases 3-4: shorter timed windows get a warning
 
 
 class BenchmarkError(RuntimeError):
@@ -376,6 +377,9 @@ def run_tandem_phase(name: str, args, overrides: list[str], discard: bool, run_d
     start_steps = args.warmup * args.steps
     res.env_steps, res.seconds = learner_window(parse_progress(learner_log.read_text()), start_steps)
     res.steps_per_s = res.env_steps / res.seconds
+    if res.seconds < MIN_WINDOW_S:
+        res.extra["warning"] = (f"timed window only {res.seconds:.1f} s (progress lines come every 1 s, "
+                                f"elapsed to 0.1 s): raise --steps for a steadier figure")
     if not discard:
         res.extra.update(_training_stats(run_dir, start_steps))
     return res
@@ -487,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.steps_per_s is not None:
                 print(f"[overhead] phase {i}: {r.steps_per_s:,.0f} env steps/s over {r.env_steps:,.0f} steps in "
                       f"{r.seconds:.1f} s (phase took {time.monotonic() - t:.0f} s)", flush=True)
+            if "warning" in r.extra:
+                print(f"[overhead] phase {i}: warning: {r.extra['warning']}", flush=True)
     except KeyboardInterrupt:
         print("[overhead] interrupted: children stopped", file=sys.stderr)
         return 130

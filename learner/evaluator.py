@@ -64,6 +64,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     push = RolloutPusher(ctx, endpoints["rollouts"], hwm=16)
     next_eval = t.eval_freq
     count = 0
+    last: dict | None = None   # the last result, reused when the final weights were already evaluated
     try:
         while not stopping and os.getppid() == parent_pid:
             msg = sub.newest(timeout_ms=200)
@@ -76,15 +77,19 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
             final = bool(meta.get("final"))
             if not (final or (t.eval_freq and steps >= next_eval)):
                 continue
+            if final and last is not None and last["version"] == meta.get("version"):
+                last["final"] = True
+                push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
+                continue
             load_weights_(policy, td)
             t0 = time.perf_counter()
             returns, lengths = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
-            push.send(wire.encode(TensorDict({}, []), kind="eval", sender="evaluator", version=meta.get("version"),
-                                  env_steps=steps, returns=returns, lengths=lengths, final=final,
-                                  eval_s=time.perf_counter() - t0), timeout_ms=5000)
+            last = dict(kind="eval", sender="evaluator", version=meta.get("version"), env_steps=steps,
+                        returns=returns, lengths=lengths, final=final, eval_s=time.perf_counter() - t0)
+            push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
     finally:
         env.close()
         sub.close()

@@ -319,6 +319,8 @@ class Learner:
             self.logger.histogram("lag/hist", lags, env_steps)
 
     def log_eval(self, meta: dict) -> None:
+        if self.last_eval is not None and meta.get("version") == self.last_eval["version"]:
+            return  # the final weights were already evaluated: no duplicate line
         returns = [float(r) for r in meta.get("returns", [])]
         lengths = [int(n) for n in meta.get("lengths", [])]
         if not returns:

@@ -1,0 +1,178 @@
+"""Env adapters, rollout collection and policies: true final observations, bootstrapping values,
+log-probs, normalisation statistics travelling with the weights."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from actors.rollout import Collector
+from shared import keys, wire
+from shared.config import config_from_dict
+from shared.envs import make_env
+from shared.envs.torch_envs import TorchPendulum
+from shared.policies import load_weights_, make_policy, weights_td
+from shared.policies.normalization import RewardScaler, RunningMeanStd
+
+
+def cfg_for(env_id: str, **env_cfg):
+    return config_from_dict({"env": {"id": env_id, "cfg": env_cfg},
+                             "policy": {"actor": {"network_cfg": {"hidden_sizes": [8]}},
+                                        "critic": {"network_cfg": {"hidden_sizes": [8]}}}})
+
+
+def test_gym_adapter_returns_true_final_observation_on_truncation():
+    env = make_env("Pendulum-v1", 3, {"max_episode_steps": 4})
+    ref = gym.make("Pendulum-v1", max_episode_steps=4)            # one env, same seed as env 1
+    obs = env.reset(seed=10)
+    ref_obs, _ = ref.reset(seed=11)
+    np.testing.assert_allclose(obs[1].numpy(), ref_obs, rtol=1e-6)
+    actions = [torch.full((3, 1), a) for a in (0.5, -1.0, 2.0, 1.5)]
+    for i, a in enumerate(actions):
+        step = env.step(a)
+        ref_obs, ref_r, _, ref_trunc, _ = ref.step(np.array([float(a[1, 0])], dtype=np.float32))
+        assert bool(step.truncated[1]) == ref_trunc
+        np.testing.assert_allclose(step.final_obs[1].numpy(), ref_obs, rtol=1e-5)
+        assert step.reward[1].item() == pytest.approx(ref_r, rel=1e-5)
+    assert step.truncated.all() and not step.terminated.any()
+    assert not torch.allclose(step.obs, step.final_obs)              # obs is already the reset one
+    assert step.episode_lengths == [4, 4, 4] and len(step.episode_returns) == 3
+    env.close()
+
+
+def test_gym_adapter_clips_box_actions_to_bounds():
+    env = make_env("Pendulum-v1", 2)
+    env.reset(seed=0)
+    twin = make_env("Pendulum-v1", 2)
+    twin.reset(seed=0)
+    a = env.step(torch.tensor([[50.0], [-50.0]]))
+    b = twin.step(torch.tensor([[2.0], [-2.0]]))
+    torch.testing.assert_close(a.obs, b.obs)
+
+
+def test_torch_pendulum_matches_gymnasium_dynamics():
+    env = TorchPendulum(num_envs=1)
+    env.reset(seed=0)
+    ref = gym.make("Pendulum-v1").unwrapped
+    ref.reset(seed=0)
+    ref.state = np.array([float(env._theta[0]), float(env._theta_dot[0])])
+    for u in (1.0, -2.0, 0.3, 5.0):
+        step = env.step(torch.tensor([[u]]))
+        ref_obs, ref_r, *_ = ref.step(np.array([u], dtype=np.float32))
+        np.testing.assert_allclose(step.obs[0].numpy(), ref_obs, rtol=1e-4, atol=1e-5)
+        assert step.reward[0].item() == pytest.approx(ref_r, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "tandem/Pendulum-v0"])
+def test_collector_bootstraps_truncation_from_final_observation(env_id):
+    cfg = cfg_for(env_id, max_episode_steps=5)
+    env = make_env(env_id, 2, cfg.env.cfg)
+    policy = make_policy(cfg, env.spec)
+    col = Collector(env, policy, num_steps=12, seed=0)
+    finals = []
+    step_fn = env.step
+
+    def recording_step(action):
+        out = step_fn(action)
+        finals.append(out.final_obs.clone())
+        return out
+
+    env.step = recording_step
+    td, stats, _ = col.collect(version=3)
+    assert td.batch_size == torch.Size([2, 12])
+    assert (td[keys.POLICY_VERSION] == 3).all()
+    trunc = td[keys.TRUNCATED]
+    assert trunc[:, 4].all() and trunc[:, 9].all() and trunc.sum() == 4
+    assert torch.equal(td[keys.DONE], td[keys.TRUNCATED] | td[keys.TERMINATED])
+    with torch.no_grad():
+        for t in range(12):
+            expected = policy.get_value(TensorDict({keys.OBS: finals[t]}, [2]))
+            if t < 11:
+                # not done: V of the next step's observation, which is also the final observation
+                nd = ~td[keys.DONE][:, t]
+                torch.testing.assert_close(td[keys.NEXT_VALUE][nd, t], td[keys.VALUE][nd, t + 1])
+            torch.testing.assert_close(td[keys.NEXT_VALUE][:, t], expected)
+        # a truncated step never bootstraps from the reset observation
+        reset_value = td[keys.VALUE][:, 5]
+        assert not torch.allclose(td[keys.NEXT_VALUE][:, 4], reset_value)
+    assert stats.episode_lengths == [5, 5, 5, 5]
+
+
+def test_collector_zero_bootstrap_on_termination():
+    cfg = cfg_for("CartPole-v1")
+    env = make_env("CartPole-v1", 4)
+    col = Collector(env, make_policy(cfg, env.spec), num_steps=64, seed=1)
+    td, stats, _ = col.collect(version=0)
+    term = td[keys.TERMINATED]
+    assert term.any(), "random CartPole policy should fall within 64 steps"
+    assert (td[keys.NEXT_VALUE][term] == 0).all()
+    assert len(stats.episode_returns) == int(td[keys.DONE].sum())
+
+
+def test_collector_alternates_storage():
+    cfg = cfg_for("CartPole-v1")
+    env = make_env("CartPole-v1", 2)
+    col = Collector(env, make_policy(cfg, env.spec), num_steps=4, seed=0)
+    a, _, ia = col.collect(0)
+    b, _, ib = col.collect(0)
+    assert ia != ib and a[keys.OBS].data_ptr() != b[keys.OBS].data_ptr()
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_policy_log_prob_matches_evaluate_actions(env_id):
+    cfg = cfg_for(env_id)
+    env = make_env(env_id, 5)
+    policy = make_policy(cfg, env.spec)
+    td = policy(TensorDict({keys.OBS: env.reset(seed=0)}, [5]))
+    logp, entropy, value = policy.evaluate_actions(td)
+    torch.testing.assert_close(logp, td[keys.LOG_PROB])
+    torch.testing.assert_close(value, td[keys.VALUE])
+    assert entropy.shape == (5,)
+    det1 = policy(TensorDict({keys.OBS: td[keys.OBS]}, [5]), deterministic=True)[keys.ACTION]
+    det2 = policy(TensorDict({keys.OBS: td[keys.OBS]}, [5]), deterministic=True)[keys.ACTION]
+    assert torch.equal(det1, det2)
+
+
+def test_normaliser_statistics_travel_with_the_weights():
+    cfg = cfg_for("Pendulum-v1")
+    env = make_env("Pendulum-v1", 2)
+    learner_side = make_policy(cfg, env.spec)
+    learner_side.update_normalizer(torch.randn(100, 3) * 5 + 2)
+    frames = wire.encode(weights_td(learner_side), kind="weights", version=1)
+    td, meta = wire.decode([bytes(f) for f in frames])
+    actor_side = make_policy(cfg, env.spec)
+    load_weights_(actor_side, td)
+    for k, v in learner_side.state_dict().items():
+        assert torch.equal(actor_side.state_dict()[k], v), k
+    assert meta == {"kind": "weights", "version": 1}
+
+
+def test_load_weights_names_mismatch():
+    a = make_policy(cfg_for("Pendulum-v1"), make_env("Pendulum-v1", 1).spec)
+    b = make_policy(cfg_for("CartPole-v1"), make_env("CartPole-v1", 1).spec)
+    with pytest.raises(ValueError, match="weights"):
+        load_weights_(a, weights_td(b))
+
+
+def test_running_mean_std_equals_batch_statistics():
+    rms = RunningMeanStd((3,), epsilon=0.0)
+    chunks = [torch.randn(n, 3, dtype=torch.float64) * 3 + 1 for n in (5, 17, 40)]
+    for c in chunks:
+        rms.update(c)
+    full = torch.cat(chunks)
+    torch.testing.assert_close(rms.mean, full.mean(0))
+    torch.testing.assert_close(rms.var, full.var(0, unbiased=False))
+
+
+def test_reward_scaler_tracks_discounted_returns_per_actor():
+    scaler = RewardScaler(gamma=0.5)
+    reward = torch.ones(1, 4)
+    done = torch.tensor([[False, True, False, False]])
+    scaler.observe(0, reward, done)
+    # returns: 1, 1.5 (episode ends), 1, 1.5
+    torch.testing.assert_close(scaler.stats.mean, torch.tensor(1.25, dtype=torch.float64), atol=1e-3, rtol=1e-3)
+    scaler.observe(0, reward[:, :1], torch.tensor([[False]]))    # continues from 1.5: 1.75
+    assert scaler._returns[0].item() == pytest.approx(1.75)

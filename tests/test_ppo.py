@@ -1,0 +1,85 @@
+"""PPO loss on hand-computed cases, and the minibatch schedule of an update."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from learner.ppo import ppo_loss, ppo_update
+from shared import keys
+from shared.config import PPOConfig
+
+
+class FixedPolicy(nn.Module):
+    """evaluate_actions returns given log-probs/entropy/values (as functions of a parameter)."""
+
+    def __init__(self, logp, entropy, value):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(()))
+        self.logp, self.entropy, self.value = logp, entropy, value
+        self.seen: list[torch.Tensor] = []
+
+    def evaluate_actions(self, td):
+        self.seen.append(td[keys.OBS].clone())
+        idx = td[keys.OBS].long()
+        return self.logp[idx] + self.shift, self.entropy[idx], self.value[idx] + self.shift
+
+
+def batch(old_logp, adv, value, target):
+    n = len(old_logp)
+    return TensorDict({keys.OBS: torch.arange(n, dtype=torch.float32), keys.ACTION: torch.zeros(n),
+                       keys.LOG_PROB: torch.tensor(old_logp), keys.ADVANTAGE: torch.tensor(adv),
+                       keys.VALUE: torch.tensor(value), keys.VALUE_TARGET: torch.tensor(target)}, [n])
+
+
+def test_clipped_objective_by_hand():
+    ratios = [1.5, 0.5, 1.1, 0.9]
+    new = torch.log(torch.tensor(ratios))
+    policy = FixedPolicy(new, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    cfg = PPOConfig(clip_coef=0.2, norm_adv=False, ent_coef=0.01, vf_coef=0.5)
+    out = ppo_loss(policy, batch([0.0] * 4, [1.0, -1.0, 1.0, -1.0], [0.0] * 4, [2.0, 2.0, 2.0, 2.0]), cfg)
+    # per sample: max(-A r, -A clip(r)):  A=1,r=1.5 -> -1.2;  A=-1,r=0.5 -> 0.8;  A=1,r=1.1 -> -1.1;  A=-1,r=.9 -> .9
+    assert out["loss_policy"].item() == pytest.approx((-1.2 + 0.8 - 1.1 + 0.9) / 4)
+    assert out["value_loss"].item() == pytest.approx(0.5 * (1 + 0 + 1 + 4) / 4)
+    assert out["loss_value"].item() == pytest.approx(0.5 * out["value_loss"].item())
+    assert out["loss_entropy"].item() == pytest.approx(-0.01 * 0.25)
+    assert out["clip_frac"].item() == pytest.approx(0.5)
+    kl = sum((r - 1) - math.log(r) for r in ratios) / 4
+    assert out["approx_kl"].item() == pytest.approx(kl, rel=1e-5)
+
+
+def test_advantage_normalisation_and_value_clipping():
+    policy = FixedPolicy(torch.zeros(3), torch.zeros(3), torch.tensor([0.0, 1.0, 5.0]))
+    cfg = PPOConfig(clip_coef=0.2, norm_adv=True, clip_vloss=True, ent_coef=0.0)
+    out = ppo_loss(policy, batch([0.0] * 3, [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]), cfg)
+    # ratio 1: loss is -mean(normalised advantage) = 0
+    assert out["loss_policy"].item() == pytest.approx(0.0, abs=1e-6)
+    # clipped values are 0, 0.2, 0.2 -> max((v-t)^2, (vc-t)^2) = 0, 1, 25
+    assert out["value_loss"].item() == pytest.approx(0.5 * (0 + 1 + 25) / 3)
+
+
+def test_update_uses_every_sample_once_per_epoch():
+    n = 10
+    policy = FixedPolicy(torch.zeros(n), torch.zeros(n), torch.zeros(n))
+    cfg = PPOConfig(n_epochs=3, batch_size=4, learning_rate=1e-3)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    stats = ppo_update(policy, opt, batch([0.0] * n, [1.0] * n, [0.0] * n, [0.0] * n), cfg,
+                       torch.Generator().manual_seed(0))
+    assert stats["epochs"] == 3
+    assert len(policy.seen) == 3 * 3                      # minibatches of 4, 4, 2 per epoch
+    for e in range(3):
+        ids = torch.cat(policy.seen[3 * e:3 * e + 3]).long().sort().values
+        assert torch.equal(ids, torch.arange(n))
+
+
+def test_target_kl_stops_epochs_early():
+    n = 8
+    policy = FixedPolicy(torch.full((n,), 1.0), torch.zeros(n), torch.zeros(n))   # ratio e: kl ~ 0.72
+    cfg = PPOConfig(n_epochs=5, batch_size=8, target_kl=0.1)
+    stats = ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=0.0), batch([0.0] * n, [1.0] * n,
+                       [0.0] * n, [0.0] * n), cfg, torch.Generator().manual_seed(0))
+    assert stats["epochs"] == 1
