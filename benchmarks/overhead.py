@@ -17,10 +17,12 @@ total across the P processes:
 4. ``tandem training`` -- the same processes without ``--discard``, in the config's own
                           ``buffer_type``: the real run, the learner trains (evaluator off).
 
-Each phase reports total env steps per second. Start-up (python and torch imports, env and policy
-construction) is excluded everywhere: phases 1-2 time from a barrier that every worker reaches
-after its set-up and one warm-up rollout; phases 3-4 time from the learner's own progress lines,
-from the first one past ``--warmup`` of the run (see :func:`learner_window`).
+Every process of every phase is a fresh interpreter in its own session (see :func:`_start`), with
+OMP_NUM_THREADS=1 and PYTHONPATH=<repo root>. Each phase reports total env steps per second.
+Start-up (python and torch imports, env and policy construction) is excluded everywhere: phases
+1-2 start their timers together once every worker has set up and run one warm-up rollout; phases
+3-4 time from the learner's own progress lines, from the first one past ``--warmup`` of the run
+(see :func:`learner_window`).
 
 The key figure is ``transport-only / env+inference`` (target >= 0.9): the share of the actors'
 collection rate that survives sending every rollout to the learner.
@@ -34,28 +36,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:          # spawned workers re-import this file: they need it too
+if str(ROOT) not in sys.path:          # for `shared`/`actors` here and in the phase 1-2 workers
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 TARGET = 0.9                           # transport-only / env+inference should be at least this
 STOP_TIMEOUT_S = 10.0                  # SIGTERM -> SIGKILL grace for every child we start
 MIN_WINDOW_S = 5.0                     # phases 3-4: shorter timed windows get a warning
+LOG_INTERVAL_S = 0.25                  # phases 3-4: period of the learner progress lines they are timed by
 
 
 class BenchmarkError(RuntimeError):
@@ -65,7 +68,8 @@ class BenchmarkError(RuntimeError):
 @dataclass
 class PhaseResult:
     name: str
-    processes: int
+    processes: int                     # worker or actor processes (P)
+    learner: bool = False              # phases 3-4 also run the learner process
     env_steps: int = 0                 # env steps inside the timed window
     seconds: float = 0.0               # length of the timed window
     steps_per_s: float | None = None
@@ -75,165 +79,7 @@ class PhaseResult:
     extra: dict = field(default_factory=dict)
 
 
-# ================================================================== phases 1-2: worker processes
-
-def _random_action(spec, num_envs: int, device):
-    """Uniform random actions for `num_envs` envs: ints in [0, n) or floats within the Box bounds."""
-    import torch
-    act = spec.action
-    if act.kind == "discrete":
-        return torch.randint(act.n, (num_envs,), device=device)
-    low = torch.tensor(act.low, dtype=torch.float32, device=device).reshape(act.shape)
-    high = torch.tensor(act.high, dtype=torch.float32, device=device).reshape(act.shape)
-    finite = torch.isfinite(low) & torch.isfinite(high)   # unbounded dims: standard normal instead
-    low, high = torch.where(finite, low, -1.0), torch.where(finite, high, 1.0)
-    u = low + (high - low) * torch.rand(num_envs, *act.shape, device=device)
-    return torch.where(finite, u, torch.randn_like(u))
-
-
-def _worker(phase: str, config: str, overrides: list[str], idx: int, steps: int, barrier, results) -> None:
-    """One process of phase 1 ("raw") or 2 ("inference"): set up, warm up, wait for the others,
-    then time `steps` env steps and report ``(idx, t_start, t_end, steps_done)`` on `results`."""
-    try:
-        import torch
-        from shared.config import load_config
-        from shared.envs import make_env
-
-        cfg = load_config(config, overrides)
-        torch.set_num_threads(cfg.actors.torch_threads)   # what an actor process does (1 by default)
-        device = cfg.actors.devices[idx % len(cfg.actors.devices)]
-        seed = cfg.trainer.seed * 100_003 + 1_000 * idx   # as actors.actor.Actor seeds itself
-        torch.manual_seed(seed)
-        env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, device)
-        try:
-            n = env.num_envs
-            if phase == "raw":
-                env.reset(seed=seed)
-                per_call = n
-
-                def work():
-                    env.step(_random_action(env.spec, n, env.device))
-            else:
-                from actors.rollout import Collector
-                from shared.policies import make_policy
-                policy = make_policy(cfg, env.spec).to(env.device).eval()
-                slow = not cfg.actors.slow_actor_ids or idx in cfg.actors.slow_actor_ids   # as Actor does
-                collector = Collector(env, policy, cfg.trainer.buffer_size, seed=seed,
-                                      step_delay_s=cfg.actors.slowdown_s if slow else 0.0)
-                per_call = n * cfg.trainer.buffer_size
-
-                def work():
-                    collector.collect(0)      # the rollout is thrown away
-
-            calls = max(1, math.ceil(steps / per_call))
-            # Warm-up outside the timed window: first-call allocations, caches, lazy imports.
-            # One rollout's worth of steps (trainer.buffer_size per env).
-            for _ in range(math.ceil(n * cfg.trainer.buffer_size / per_call)):
-                work()
-            barrier.wait(timeout=600)
-            t0 = time.monotonic()         # CLOCK_MONOTONIC: one clock for every process on Linux
-            for _ in range(calls):
-                work()
-            t1 = time.monotonic()
-            results.put(("ok", idx, t0, t1, calls * per_call))
-        finally:
-            env.close()
-    except BaseException:              # report everything, even a broken barrier, then exit
-        try:
-            barrier.abort()
-        except Exception:
-            pass
-        results.put(("error", idx, traceback.format_exc()))
-
-
-def _stop_workers(procs: list) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-
-
-def run_worker_phase(name: str, phase: str, args, overrides: list[str]) -> PhaseResult:
-    """Phases 1-2: P spawned processes; rate = all their steps / (last end - first start)."""
-    P = args.actors
-    res = PhaseResult(name, P)
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(P)
-    results = ctx.Queue()
-    per_proc = math.ceil(args.steps / P)
-    procs = [ctx.Process(target=_worker, args=(phase, str(args.config), overrides, i, per_proc, barrier, results),
-                         name=f"overhead-{phase}-{i}", daemon=True) for i in range(P)]
-    try:
-        for p in procs:
-            p.start()
-        reports, deadline = [], time.monotonic() + args.phase_timeout
-        while len(reports) < P:
-            try:
-                reports.append(results.get(timeout=1.0))
-            except Exception:           # queue.Empty
-                pass
-            errors = [r for r in reports if r[0] == "error"]
-            if errors:
-                raise BenchmarkError(f"{name}: worker {errors[0][1]} failed:\n{errors[0][2]}")
-            if time.monotonic() > deadline:
-                raise BenchmarkError(f"{name}: no result within --phase-timeout {args.phase_timeout:.0f} s")
-            dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-            if dead and len(reports) < P and results.empty():
-                raise BenchmarkError(f"{name}: worker {dead[0].name} died with exit code {dead[0].exitcode}")
-    finally:
-        _stop_workers(procs)
-    t0, t1 = min(r[2] for r in reports), max(r[3] for r in reports)
-    res.env_steps = sum(r[4] for r in reports)
-    res.seconds = t1 - t0
-    res.steps_per_s = res.env_steps / res.seconds
-    res.extra["per_process_steps_per_s"] = [round(r[4] / (r[3] - r[2]), 1) for r in sorted(reports, key=lambda r: r[1])]
-    return res
-
-
-# ================================================================== phases 3-4: learner + actors
-
-_PROGRESS = re.compile(r"^\[learner\]\s+([\d.]+)s \| steps ([\d.]+)([kM]?)/")
-
-
-def parse_progress(text: str) -> list[tuple[float, float]]:
-    """``(elapsed_s, env_steps)`` from the learner's progress lines, in order.
-
-    Steps are printed rounded (``12.3k``: 100-step resolution below 1M, 10k above), which is
-    small against the step counts this benchmark measures over.
-    """
-    out = []
-    for line in text.splitlines():
-        m = _PROGRESS.match(line.strip())
-        if m:
-            out.append((float(m.group(1)), float(m.group(2)) * {"": 1, "k": 1e3, "M": 1e6}[m.group(3)]))
-    return out
-
-
-def learner_window(points: list[tuple[float, float]], start_steps: float) -> tuple[float, float]:
-    """``(env_steps, seconds)`` of the steady-state window seen in the learner's progress lines.
-
-    Why this window: the learner's own ``wall_s`` (summary.json) and ``perf/sps`` count from the
-    learner's start, so they include seconds of python/torch imports and the actors' start-up;
-    in discard mode nothing else is logged per rollout. The learner prints a progress line every
-    ``trainer.log_interval_s`` (we pass 1 s) with its elapsed time and the env steps it has
-    received. The window opens at the first line at or past `start_steps` (the warm-up: every
-    actor has been sending for a while by then) and closes at the last *periodic* line: the very
-    last line is printed after shutdown work (final checkpoint, stop messages) and is dropped.
-    """
-    periodic = points[:-1]
-    inside = [p for p in periodic if p[1] >= start_steps and p[1] > 0]
-    if len(inside) < 2 or inside[-1][0] <= inside[0][0] or inside[-1][1] <= inside[0][1]:
-        raise BenchmarkError(f"too few progress lines after the warm-up ({len(inside)} past {start_steps:.0f} "
-                             f"steps) to time a steady state: raise --steps or lower --warmup")
-    (t0, s0), (t1, s1) = inside[0], inside[-1]
-    return s1 - s0, t1 - t0
-
+# ================================================================== child processes
 
 def _child_env() -> dict:
     env = dict(os.environ)
@@ -243,11 +89,19 @@ def _child_env() -> dict:
     return env
 
 
-def _start(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    """Start `cmd` in its own session (process group), stdout+stderr to `log_path`."""
+def _start(cmd: list[str], log_path: Path, stdin=subprocess.DEVNULL, stdout=None) -> subprocess.Popen:
+    """Start `cmd` as a fresh interpreter in its own session (process group); what it writes goes
+    to `log_path` (stdout too, unless `stdout` is given).
+
+    Every phase starts its processes this way, not only the learner and actors. That matters for
+    a fair comparison: with Linux scheduler autogroups (``/proc/sys/kernel/sched_autogroup_enabled``)
+    each session is one CPU-share group, so on a busy machine P processes in one session would get
+    the share of one process while P sessions get the share of P.
+    """
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdin=stdin,
+                                stdout=log if stdout is None else stdout,
+                                stderr=subprocess.STDOUT if stdout is None else log, start_new_session=True)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
@@ -281,6 +135,188 @@ def _tail(path: Path, n: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+# ================================================================== phases 1-2: worker processes
+
+def _random_action(spec, num_envs: int, device):
+    """Uniform random actions for `num_envs` envs: ints in [0, n) or floats within the Box bounds."""
+    import torch
+    act = spec.action
+    if act.kind == "discrete":
+        return torch.randint(act.n, (num_envs,), device=device)
+    low = torch.tensor(act.low, dtype=torch.float32, device=device).reshape(act.shape)
+    high = torch.tensor(act.high, dtype=torch.float32, device=device).reshape(act.shape)
+    finite = torch.isfinite(low) & torch.isfinite(high)   # unbounded dims: standard normal instead
+    low, high = torch.where(finite, low, -1.0), torch.where(finite, high, 1.0)
+    u = low + (high - low) * torch.rand(num_envs, *act.shape, device=device)
+    return torch.where(finite, u, torch.randn_like(u))
+
+
+def worker_main(phase: str, config: str, overrides: list[str], idx: int, steps: int) -> int:
+    """One process of phase 1 (``raw``) or 2 (``inference``), run as
+    ``overhead.py --worker PHASE --worker-index I --worker-steps N --config C [--set ...]``.
+
+    Protocol on stdout/stdin: set up and warm up, print ``READY``, wait for a ``GO`` line, step
+    `steps` env steps, print ``RESULT {"t0": .., "t1": .., "steps": ..}`` (``time.monotonic``:
+    CLOCK_MONOTONIC, one clock for every process on Linux). Errors go to stderr, exit code 1.
+    """
+    import torch
+    from shared.config import load_config
+    from shared.envs import make_env
+
+    cfg = load_config(config, overrides)
+    torch.set_num_threads(cfg.actors.torch_threads)   # what an actor process does (1 by default)
+    device = cfg.actors.devices[idx % len(cfg.actors.devices)]
+    seed = cfg.trainer.seed * 100_003 + 1_000 * idx   # as actors.actor.Actor seeds itself
+    torch.manual_seed(seed)
+    env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, device)
+    try:
+        n = env.num_envs
+        if phase == "raw":
+            env.reset(seed=seed)
+            per_call = n
+
+            def work():
+                env.step(_random_action(env.spec, n, env.device))
+        else:
+            from actors.rollout import Collector
+            from shared.policies import make_policy
+            policy = make_policy(cfg, env.spec).to(env.device).eval()
+            slow = not cfg.actors.slow_actor_ids or idx in cfg.actors.slow_actor_ids   # as Actor does
+            collector = Collector(env, policy, cfg.trainer.buffer_size, seed=seed,
+                                  step_delay_s=cfg.actors.slowdown_s if slow else 0.0)
+            per_call = n * cfg.trainer.buffer_size
+
+            def work():
+                collector.collect(0)      # the rollout is thrown away
+
+        calls = max(1, math.ceil(steps / per_call))
+        # Warm-up outside the timed window (first-call allocations, lazy imports): one rollout's worth.
+        for _ in range(math.ceil(n * cfg.trainer.buffer_size / per_call)):
+            work()
+        # GPU simulators run asynchronously: time finished work only.
+        sync = (lambda: torch.cuda.synchronize(env.device)) if env.device.type == "cuda" else (lambda: None)
+        sync()
+        print("READY", flush=True)
+        if sys.stdin.readline().strip() != "GO":
+            return 1                  # the parent went away
+        t0 = time.monotonic()
+        for _ in range(calls):
+            work()
+        sync()
+        t1 = time.monotonic()
+        print("RESULT " + json.dumps({"t0": t0, "t1": t1, "steps": calls * per_call}), flush=True)
+        return 0
+    finally:
+        env.close()
+
+
+def run_worker_phase(name: str, phase: str, args, overrides: list[str], log_dir: Path) -> PhaseResult:
+    """Phases 1-2: P worker processes started together once all are set up;
+    rate = all their steps / (last end - first start)."""
+    P = args.actors
+    res = PhaseResult(name, P)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    per_proc = math.ceil(args.steps / P)
+    sets = [x for o in overrides for x in ("--set", o)]
+    lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
+
+    def read(i: int, stream) -> None:          # one thread per worker: its stdout, line by line
+        for line in stream:
+            lines.put((i, line.decode(errors="replace").strip()))
+        lines.put((i, None))
+
+    def expect(prefix: str, deadline: float) -> dict[int, str]:
+        got: dict[int, str] = {}
+        while len(got) < P:
+            try:
+                i, line = lines.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise BenchmarkError(f"{name}: no {prefix} from every worker within --phase-timeout "
+                                         f"{args.phase_timeout:.0f} s") from None
+                continue
+            if line is None:
+                if i in got:              # it said its piece and left: fine
+                    continue
+                procs[i].wait(timeout=5)
+                raise BenchmarkError(f"{name}: worker {i} exited (code {procs[i].returncode}) before {prefix}; "
+                                     f"its log ends:\n{_tail(log_dir / f'worker_{i}.log')}")
+            if line.startswith(prefix):
+                got[i] = line[len(prefix):].strip()
+        return got
+
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(P):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", phase, "--worker-index", str(i),
+                   "--worker-steps", str(per_proc), "--config", str(args.config), *sets]
+            procs.append(_start(cmd, log_dir / f"worker_{i}.log", stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            threading.Thread(target=read, args=(i, procs[-1].stdout), daemon=True).start()
+        deadline = time.monotonic() + args.phase_timeout
+        expect("READY", deadline)
+        for i, p in enumerate(procs):         # microseconds apart: a start barrier
+            try:
+                p.stdin.write(b"GO\n")
+                p.stdin.flush()
+            except OSError:                   # it died after READY
+                raise BenchmarkError(f"{name}: worker {i} went away before the start; its log ends:\n"
+                                     f"{_tail(log_dir / f'worker_{i}.log')}") from None
+        reports = {i: json.loads(text) for i, text in expect("RESULT", deadline).items()}
+    finally:
+        _stop_processes(procs)
+    t0, t1 = min(r["t0"] for r in reports.values()), max(r["t1"] for r in reports.values())
+    res.env_steps = sum(r["steps"] for r in reports.values())
+    res.seconds = t1 - t0
+    res.steps_per_s = res.env_steps / res.seconds
+    res.extra["per_process_steps_per_s"] = [round(reports[i]["steps"] / (reports[i]["t1"] - reports[i]["t0"]), 1)
+                                            for i in range(P)]
+    return res
+
+
+# ================================================================== phases 3-4: learner + actors
+
+_PROGRESS = re.compile(r"^\[learner\]\s+([\d.]+)s \| steps ([\d.]+)([kM]?)/")
+
+
+def parse_progress(text: str) -> list[tuple[float, float]]:
+    """``(elapsed_s, env_steps)`` from the learner's progress lines, in order.
+
+    Steps are printed rounded (``12.3k``: 100-step resolution below 1M, 10k above), which is
+    small against the step counts this benchmark measures over.
+    """
+    out = []
+    for line in text.splitlines():
+        m = _PROGRESS.match(line.strip())
+        if m:
+            out.append((float(m.group(1)), float(m.group(2)) * {"": 1, "k": 1e3, "M": 1e6}[m.group(3)]))
+    return out
+
+
+def learner_window(points: list[tuple[float, float]], start_steps: float) -> tuple[int, float]:
+    """``(env_steps, seconds)`` of the steady-state window seen in the learner's progress lines.
+
+    Why this window: the learner's own ``wall_s`` (summary.json) and ``perf/sps`` count from the
+    learner's start, so they include seconds of python/torch imports and the actors' start-up;
+    in discard mode nothing else is logged per rollout. The learner prints a progress line every
+    ``trainer.log_interval_s`` (we pass LOG_INTERVAL_S) with its elapsed time (to 0.1 s) and the
+    env steps it has received. The window opens at the first line at or past `start_steps` (the
+    warm-up: every actor has been sending for a while by then) and closes at the first line that
+    shows the count of the last *periodic* line (the very last line is printed after shutdown
+    work, final checkpoint and stop messages, and is dropped). Steps arrive a rollout at a time,
+    so the count is a staircase; taking the first line of a step at both ends keeps the idle
+    stretch of a plateau out of the window.
+    """
+    periodic = points[:-1]
+    inside = [p for p in periodic if p[1] >= start_steps and p[1] > 0]
+    if inside:
+        (t0, s0), s1 = inside[0], inside[-1][1]
+        t1 = min(t for t, n in inside if n == s1)
+        if s1 > s0 and t1 > t0:
+            return int(round(s1 - s0)), t1 - t0
+    raise BenchmarkError(f"too few progress lines after the warm-up ({len(inside)} at or past {start_steps:.0f} "
+                         f"steps) to time a steady state: raise --steps or lower --warmup")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -321,7 +357,7 @@ def _training_stats(run_dir: Path, start_steps: float) -> dict:
 def run_tandem_phase(name: str, args, overrides: list[str], discard: bool, run_dir: Path) -> PhaseResult:
     """Phases 3-4: the real learner and P real actors, each its own process, as run_local.sh does."""
     P = args.actors
-    res = PhaseResult(name, P)
+    res = PhaseResult(name, P, learner=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     sets: list[str] = []
     for o in overrides:
@@ -378,8 +414,8 @@ def run_tandem_phase(name: str, args, overrides: list[str], discard: bool, run_d
     res.env_steps, res.seconds = learner_window(parse_progress(learner_log.read_text()), start_steps)
     res.steps_per_s = res.env_steps / res.seconds
     if res.seconds < MIN_WINDOW_S:
-        res.extra["warning"] = (f"timed window only {res.seconds:.1f} s (progress lines come every 1 s, "
-                                f"elapsed to 0.1 s): raise --steps for a steadier figure")
+        res.extra["warning"] = (f"timed window only {res.seconds:.1f} s (timed from progress lines every "
+                                f"{LOG_INTERVAL_S} s, to 0.1 s): raise --steps for a steadier figure")
     if not discard:
         res.extra.update(_training_stats(run_dir, start_steps))
     return res
@@ -390,7 +426,7 @@ def run_tandem_phase(name: str, args, overrides: list[str], discard: bool, run_d
 def phase_overrides(base_cfg, args, user_sets: list[str], transport_only: bool) -> list[str]:
     """The --set overrides of one phase (the user's, then the benchmark's)."""
     sets = list(user_sets) + [f"actors.num_actors={args.actors}", f"trainer.total_steps={args.steps}",
-                              "trainer.log_interval_s=1"]
+                              f"trainer.log_interval_s={LOG_INTERVAL_S}"]
     if transport_only:
         sets.append("trainer.buffer_type=vla")
         k = base_cfg.trainer.rollouts_per_update or args.actors
@@ -403,18 +439,26 @@ def phase_overrides(base_cfg, args, user_sets: list[str], transport_only: bool) 
 def fmt_table(results: list[PhaseResult]) -> str:
     head = ("phase", "processes", "env steps/s", "/ raw env", "/ env+inference")
     rows = []
+
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
     for r in results:
-        def f(x, spec):
-            return "-" if x is None else format(x, spec)
-        rows.append((r.name, str(r.processes), "FAILED" if r.error else f(r.steps_per_s, ",.0f"),
+        procs = f"{r.processes} + learner" if r.learner else str(r.processes)
+        rows.append((r.name, procs, "FAILED" if r.error else f(r.steps_per_s, ",.0f"),
                      f(r.ratio_raw, ".3f"), f(r.ratio_inference, ".3f")))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def _raise_on_sigterm(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")   # so every finally: block stops its children
+def _raise_on_signal(signum, frame):
+    # Unwind through the finally: blocks, which stop every child; a second Ctrl-C must not cut
+    # that clean-up short (it is bounded: STOP_TIMEOUT_S plus a few seconds).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,20 +468,29 @@ def main(argv: list[str] | None = None) -> int:
                "3 transport only (learner --discard, vla), 4 tandem training (the config's buffer_type). "
                "Every phase uses --actors processes and --steps env steps in total.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="JSON config file (default: configs/halfcheetah_ppo.json)")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                   help="JSON config file (default: configs/halfcheetah_ppo.json)")
     p.add_argument("--actors", type=int, default=2, help="processes per phase (= actor processes; default 2)")
-    p.add_argument("--steps", type=int, default=200_000, help="env steps per phase, all processes together (default 200000)")
+    p.add_argument("--steps", type=int, default=200_000,
+                   help="env steps per phase, all processes together (default 200000)")
     p.add_argument("--warmup", type=float, default=0.1,
                    help="phases 3-4: fraction of --steps received before the timed window opens (default 0.1)")
     p.add_argument("--phases", default="1,2,3,4", help="comma-separated subset of phases to run (default 1,2,3,4)")
-    p.add_argument("--phase-timeout", type=float, default=900.0, help="seconds before a phase is abandoned (default 900)")
+    p.add_argument("--phase-timeout", type=float, default=900.0,
+                   help="seconds before a phase is abandoned (default 900)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     p.add_argument("--keep-runs", type=Path, metavar="DIR",
-                   help="keep the learner run dirs and process logs of phases 3-4 under DIR (default: a "
-                        "temporary dir, deleted)")
+                   help="keep every phase's process logs (and the learner run dirs of phases 3-4) under DIR "
+                        "(default: a temporary dir, deleted)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every phase, e.g. --set actors.num_envs=16 (repeatable)")
+    # Internal: this same file is the worker process of phases 1-2.
+    p.add_argument("--worker", choices=("raw", "inference"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--worker-steps", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, str(args.config), args.sets, args.worker_index, args.worker_steps)
     if args.actors < 1 or args.steps < 1:
         p.error("--actors and --steps must be positive")
     if not 0.0 <= args.warmup < 1.0:
@@ -450,8 +503,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--phases: choose among 1, 2, 3, 4")
     args.config = args.config.resolve()
 
-    os.environ["OMP_NUM_THREADS"] = "1"        # inherited by the spawned workers of phases 1-2
-    os.environ["PYTHONPATH"] = _child_env()["PYTHONPATH"]
     from shared.config import ConfigError, load_config
     try:   # check every phase's config here, so a typo fails in a second and names the key
         base = load_config(args.config, args.sets + [f"actors.num_actors={args.actors}"])
@@ -468,8 +519,12 @@ def main(argv: list[str] | None = None) -> int:
         print("[overhead] note: the machine is not idle; other processes share the cores and skew the figures",
               flush=True)
 
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    names = {1: "raw env", 2: "env+inference", 3: "transport only", 4: f"tandem training ({base.trainer.buffer_type})"}
+    # Ctrl-C and SIGTERM (also when SIGINT came in ignored, as in a background job) unwind
+    # through the finally: blocks below, which stop every child.
+    signal.signal(signal.SIGINT, _raise_on_signal)
+    signal.signal(signal.SIGTERM, _raise_on_signal)
+    names = {1: "raw env", 2: "env+inference", 3: "transport only",
+             4: f"tandem training ({base.trainer.buffer_type})"}
     results: list[PhaseResult] = []
     tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-overhead-")
     runs_root = args.keep_runs.resolve() if args.keep_runs else Path(tmp)
@@ -478,14 +533,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[overhead] phase {i}: {names[i]} ...", flush=True)
             t = time.monotonic()
             try:
+                run_dir = runs_root / f"phase{i}-{time.strftime('%Y%m%d-%H%M%S')}"
                 if i in (1, 2):
-                    r = run_worker_phase(names[i], "raw" if i == 1 else "inference", args, sets[i])
+                    r = run_worker_phase(names[i], "raw" if i == 1 else "inference", args, sets[i], run_dir)
                 else:
-                    run_dir = runs_root / f"phase{i}-{time.strftime('%Y%m%d-%H%M%S')}"
                     r = run_tandem_phase(names[i], args, sets[i], discard=(i == 3), run_dir=run_dir)
-                    r.extra["run_dir"] = str(run_dir) if args.keep_runs else None
+                if args.keep_runs:
+                    r.extra["run_dir"] = str(run_dir)
             except BenchmarkError as e:
-                r = PhaseResult(names[i], args.actors, error=str(e))
+                r = PhaseResult(names[i], args.actors, learner=i in (3, 4), error=str(e))
                 print(f"[overhead] phase {i} failed: {e}", file=sys.stderr, flush=True)
             results.append(r)
             if r.steps_per_s is not None:

@@ -121,6 +121,8 @@ class Learner:
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
         self.start_time = time.time()
+        self.first_rollout_time: float | None = None   # wall clock of the first and last rollout received
+        self.last_rollout_time: float | None = None
         self._wait_s = 0.0
         self.next_save = t.save_freq
         self.resumed_from: Path | None = None
@@ -183,6 +185,9 @@ class Learner:
         with self._lock:
             self.env_steps += td.numel()
             self.counts["rollouts"] += 1
+            if self.first_rollout_time is None:
+                self.first_rollout_time = now
+            self.last_rollout_time = now
             for r, n in zip(returns, lengths):
                 if isinstance(r, (int, float)) and isinstance(n, int):
                     self._episodes.append((float(r), n))

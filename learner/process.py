@@ -149,6 +149,7 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
                 eval_proc.join(timeout=5)
         summary = {"env_steps": learner.env_steps, "version": learner.version, "updates": learner.updates,
                    "wall_s": time.time() - learner.start_time, **learner.counts,
+                   "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
                    **({f"last_eval/{k.split('/')[-1]}": v for k, v in learner.last_eval.items()}
                       if learner.last_eval else {}),
                    "exit_code": exit_code, "stopped_by": reason[0] if reason else None}
