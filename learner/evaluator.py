@@ -72,6 +72,8 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 continue
             td, meta = msg
             if meta.get("kind") == "stop":
+                if meta.get("who") == "actors":
+                    continue  # the run is over for actors; the final weights follow
                 break
             steps = int(meta.get("env_steps", 0))
             final = bool(meta.get("final"))

@@ -121,6 +121,7 @@ class Learner:
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
         self.start_time = time.time()
+        self.accepting = True          # False once training is over (final checkpoint and eval)
         self.first_rollout_time: float | None = None   # wall clock of the first and last rollout received
         self.last_rollout_time: float | None = None
         self._wait_s = 0.0
@@ -155,6 +156,8 @@ class Learner:
         if kind == "eval":
             self.evals.put(meta)
             return
+        if not self.accepting:
+            return  # the run is over; this rollout is neither counted nor stored
         if kind != "rollout":
             raise RejectedMessage(f"message of kind {kind!r} (from {meta.get('actor', meta.get('sender'))!r}): "
                                   f"the learner accepts 'rollout' and 'eval'")
@@ -238,9 +241,9 @@ class Learner:
     def publish(self, final: bool = False) -> None:
         self.publisher.publish(weights_td(self.policy).cpu(), kind="weights", version=self.version,
                                env_steps=self.env_steps, final=final, time=time.time())
-        if self.logger is not None:
+        if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event="publish", version=self.version, time=time.time(),
-                                       env_steps=self.env_steps, updates=self.updates, final=final)
+                                       env_steps=self.env_steps, updates=self.updates)
 
     def take_batch(self, timeout_s: float = 0.05) -> tuple[TensorDictBase, list[dict]] | None:
         """The next `k` rollouts to train on ``[k, N, T]`` with their infos, or None if they are not

@@ -119,6 +119,10 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     finally:
         if reason:
             print(f"[learner] {reason[0]}: stopping", flush=True)
+        # Training is over: rollouts that still arrive are not counted, and actors are told to
+        # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
+        learner.accepting = False
+        publisher.send_control(kind="stop", who="actors")
         try:
             learner.save()
         except Exception:

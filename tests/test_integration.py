@@ -34,11 +34,14 @@ GONE_TIMEOUT_S = 10      # how long processes may take to disappear after their 
 
 # ============================================================================ process helpers
 
-def _env() -> dict[str, str]:
+def _env(launcher_python: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    if launcher_python:
+        # Skips the launcher's ~4 s dependency probe; test_run_local_two_actors_versions keeps the default path.
+        env["TANDEM_PYTHON"] = sys.executable
     return env
 
 
@@ -57,10 +60,10 @@ class Started:
     TERMs then KILLs the whole process group, always bounded in time.
     """
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=env or _env(), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.pgid = self.proc.pid
         self.seen: dict[int, psutil.Process] = {}
@@ -108,9 +111,11 @@ class Started:
         found.update({pid: p for pid, p in self.seen.items() if _alive(p)})
         if run_dir is not None:
             found.update({p.pid: p for p in tandem_processes(run_dir)})
-        if self.proc.poll() is None:
-            found.pop(self.proc.pid, None)
-            found[self.proc.pid] = psutil.Process(self.proc.pid)
+        if self.proc.poll() is None:   # the launcher itself, while it runs
+            try:
+                found[self.proc.pid] = psutil.Process(self.proc.pid)
+            except psutil.Error:
+                pass
         return list(found.values())
 
     def assert_all_gone(self, run_dir: Path | None = None, timeout_s: float = GONE_TIMEOUT_S) -> None:
@@ -123,25 +128,29 @@ class Started:
         assert not left, "processes left behind: " + "; ".join(_describe(p) for p in left)
 
     def stop(self) -> None:
-        """Stop everything this run started, whatever state it is in (bounded: ~STOP_TIMEOUT_S)."""
+        """Stop everything this run started, whatever state it is in (bounded: ~2 x STOP_TIMEOUT_S).
+
+        The launcher gets SIGTERM first (it stops its children cleanly); whatever is left then
+        gets SIGTERM, then SIGKILL, as a process group and one by one."""
         try:
+            self.snapshot()
             if self.proc.poll() is None:
-                self.snapshot()
-                _killpg(self.pgid, signal.SIGTERM)
                 try:
+                    self.proc.send_signal(signal.SIGTERM)
                     self.proc.wait(timeout=STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     pass
-            deadline = time.monotonic() + 5
-            while self.leftovers() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            _killpg(self.pgid, signal.SIGKILL)
-            for p in self.seen.values():
-                if _alive(p):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                left = self.leftovers()
+                if not left:
+                    break
+                _killpg(self.pgid, sig)
+                for p in left:
                     try:
-                        p.kill()
+                        p.send_signal(sig)
                     except psutil.Error:
                         pass
+                psutil.wait_procs(left, timeout=STOP_TIMEOUT_S / 2 if sig == signal.SIGTERM else 5)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -182,8 +191,11 @@ def tandem_processes(run_dir: Path) -> list[psutil.Process]:
     return out
 
 
-def launch(tmp_path: Path, out: Path, *args: str, name: str = "launch") -> Started:
-    return Started(["bash", str(LAUNCH), "--out", str(out), *args], tmp_path / f"{name}.out")
+def launch(tmp_path: Path, out: Path, *args: str, name: str = "launch", probe_python: bool = False) -> Started:
+    """``bash launch/run_local.sh --out OUT ARGS...``; `probe_python` lets the launcher find the
+    interpreter itself (slower) instead of using the one running the tests."""
+    return Started(["bash", str(LAUNCH), "--out", str(out), *args], tmp_path / f"{name}.out",
+                   env=_env(launcher_python=not probe_python))
 
 
 # ============================================================================ run-directory readers
@@ -261,7 +273,8 @@ def test_run_local_two_actors_versions(tmp_path):
             except (OSError, ValueError):
                 pass
 
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "6000", "--set", "trainer.eval_freq=2000")
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "6000", "--set", "trainer.eval_freq=2000",
+                 probe_python=True)
     try:
         rc = run.wait(RUN_TIMEOUT_S, every=grab_endpoints)
         assert rc == 0, run.output()
@@ -346,7 +359,7 @@ def test_slow_actor_does_not_block_vla(tmp_path):
     """
     run_dir = tmp_path / "run"
     slowdown_s = 0.02
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "40000", "--set", "trainer.buffer_type=vla",
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "30000", "--set", "trainer.buffer_type=vla",
                  "--set", "trainer.eval_freq=0", "--set", f"actors.slowdown_s={slowdown_s}",
                  "--set", "actors.slow_actor_ids=[1]")
     try:
@@ -374,12 +387,9 @@ def test_slow_actor_does_not_block_vla(tmp_path):
     assert wait_after_first < 0.5 * slow_rollout_s, (
         f"learner waited {wait_after_first:.3f} s over {len(lines) - 1} updates; actor 1 needs >= "
         f"{slow_rollout_s:.2f} s per rollout")
-    # While actor 1 collected its rollouts the learner kept publishing new versions.
-    t1 = sorted(e["time"] for e in sent_by_1)
-    pubs = [e["time"] for e in publishes(events, final=False)]
-    if len(t1) >= 2:
-        during = sum(1 for t in pubs if t1[0] < t <= t1[-1])
-        assert during >= len(t1) - 1, f"{during} publishes while actor 1 sent {len(t1)} rollouts"
+    # The learner takes any rollouts: most updates were made of actor 0's data alone.
+    updates_with_1 = {e["learner_version"] for e in cons if e["actor"] == 1}
+    assert len(updates_with_1) <= len(lines) // 2, f"{len(updates_with_1)} of {len(lines)} updates used actor 1's data"
 
 
 @pytest.mark.slow
