@@ -139,7 +139,7 @@ class Actor:
             if not self._apply(self.weights.newest(0)):
                 return False
             self.rollouts_since_sync = 0
-        self._wait_storage_free(self.collector._next)
+        self._wait_storage_free(self.collector.next_index)
         rollout, stats, index = self.collector.collect(self.version)
         self._last_acted = self.version
         if not self._send(rollout, stats, index):

@@ -77,6 +77,11 @@ class Collector:
         self.obs = env.reset(seed=seed)
         self.env_steps = 0
 
+    @property
+    def next_index(self) -> int:
+        """The storage the next :meth:`collect` fills."""
+        return self._next
+
     @torch.inference_mode()
     def collect(self, version: int) -> tuple[TensorDict, RolloutStats, int]:
         """Fill the next storage with T steps acted by weight version `version`.

@@ -262,6 +262,9 @@ class Learner:
             self._pending += [(taken.data[i], info) for i, info in enumerate(taken.infos)]
         if len(self._pending) < self.k:
             return None
+        if self.standard:
+            # Arrival order between actors is a race; actor order is not. Same seed, same run.
+            self._pending.sort(key=lambda p: (p[1]["actor"], p[1]["seq"] if isinstance(p[1]["seq"], int) else 0))
         data = torch.stack([d for d, _ in self._pending])
         infos = [i for _, i in self._pending]
         self._pending = []
@@ -289,6 +292,9 @@ class Learner:
                 g["lr"] = a.learning_rate * frac
         self.policy.train()
         stats = ppo_update(self.policy, self.optimizer, flat, a, self.generator)
+        if not all(math.isfinite(stats[k]) for k in ("loss_policy", "value_loss", "grad_norm")):
+            raise FloatingPointError(f"non-finite loss at update {self.updates + 1} (version {self.version}): "
+                                     f"{ {k: stats[k] for k in ('loss_policy', 'value_loss', 'grad_norm')} }")
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.
         self.policy.update_normalizer(flat[keys.OBS])
@@ -306,8 +312,11 @@ class Learner:
             counts = dict(self.counts)
             env_steps = self.env_steps
         elapsed = time.time() - self.start_time
-        values = {f"loss/{k}": v for k, v in stats.items() if k not in ("epochs",)}
-        values["loss/epochs"] = stats.get("epochs", 0)
+        # loss/policy, loss/value and loss/entropy are the unweighted terms; the coefficients are in the config
+        names = {"loss_policy": "policy", "value_loss": "value", "entropy": "entropy", "approx_kl": "approx_kl",
+                 "clip_frac": "clip_frac", "grad_norm": "grad_norm", "explained_variance": "explained_variance",
+                 "epochs": "epochs"}
+        values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
         values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
         values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None

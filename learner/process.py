@@ -123,11 +123,12 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
         learner.accepting = False
         publisher.send_control(kind="stop", who="actors")
-        try:
-            learner.save()
-        except Exception:
-            log.exception("final checkpoint failed")
-            exit_code = 1
+        if exit_code == 0:  # after a failure the last periodic checkpoint is the one to resume from
+            try:
+                learner.save()
+            except Exception:
+                log.exception("final checkpoint failed")
+                exit_code = 1
         if exit_code == 0 and not stop.is_set() and eval_proc is not None:
             # A last evaluation of the final weights, bounded in time.
             learner.publish(final=True)

@@ -253,7 +253,7 @@ def assert_update_metrics(metrics: list[dict], updates: int) -> list[dict]:
     lines = update_lines(metrics)
     assert len(lines) == updates, f"{len(lines)} update lines in metrics.jsonl for {updates} updates"
     for m in lines:
-        for k in ("loss/loss_policy", "lag/mean", "perf/sps", "perf/learner_wait_s", "env_steps", "version"):
+        for k in ("loss/policy", "loss/value", "loss/entropy", "loss/approx_kl", "loss/clip_frac", "lag/mean", "perf/sps", "perf/learner_wait_s", "env_steps", "version"):
             assert k in m, f"metrics line lacks {k!r}: {sorted(m)}"
     assert [m["updates"] for m in lines] == sorted(m["updates"] for m in lines)
     return lines
