@@ -66,15 +66,17 @@ class Collector:
     def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
                  num_buffers: int = 2, step_delay_s: float = 0.0):
         self.env, self.policy, self.num_steps = env, policy, num_steps
-        self.device = env.device
-        pin = self.device.type == "cuda"  # device-resident sims copy out into pinned host memory
+        # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
+        # device mid-rollout) and copied once per rollout into pinned host memory for sending.
+        self.device = next(policy.parameters()).device
+        pin = self.device.type == "cuda"
         self._host = [rollout_template(env.spec, env.num_envs, num_steps, "cpu", pin_memory=pin)
                       for _ in range(num_buffers)]
         self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device)
                      if self.device.type != "cpu" else None)
         self._next = 0
         self.step_delay_s = step_delay_s
-        self.obs = env.reset(seed=seed)
+        self.obs = env.reset(seed=seed).to(self.device)
         self.env_steps = 0
 
     @property
@@ -109,6 +111,12 @@ class Collector:
                 time.sleep(self.step_delay_s)
             stats.inference_s += te - ti
             stats.env_s += time.perf_counter() - te
+            if step.obs.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
+                step = step._replace(obs=step.obs.to(self.device, non_blocking=True),
+                                     final_obs=step.final_obs.to(self.device, non_blocking=True),
+                                     reward=step.reward.to(self.device, non_blocking=True),
+                                     terminated=step.terminated.to(self.device, non_blocking=True),
+                                     truncated=step.truncated.to(self.device, non_blocking=True))
             obs_b[:, t] = self.obs
             act_b[:, t] = action
             logp_b[:, t] = td[keys.LOG_PROB]

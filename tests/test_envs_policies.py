@@ -176,3 +176,15 @@ def test_reward_scaler_tracks_discounted_returns_per_actor():
     torch.testing.assert_close(scaler.stats.mean, torch.tensor(1.25, dtype=torch.float64), atol=1e-3, rtol=1e-3)
     scaler.observe(0, reward[:, :1], torch.tensor([[False]]))    # continues from 1.5: 1.75
     assert scaler._returns[0].item() == pytest.approx(1.75)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("env_id", ["tandem/Pendulum-v0", "Pendulum-v1"])
+def test_collector_on_cuda_returns_pinned_host_rollout(env_id):
+    cfg = cfg_for(env_id)
+    env = make_env(env_id, 4, {}, "cuda:0")
+    policy = make_policy(cfg, env.spec).to("cuda:0")
+    td, _, _ = Collector(env, policy, num_steps=8, seed=0).collect(version=1)
+    assert td[keys.OBS].device.type == "cpu" and td[keys.OBS].is_pinned()
+    assert torch.isfinite(td[keys.NEXT_VALUE]).all() and (td[keys.POLICY_VERSION] == 1).all()
