@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Protocol
 
+import numpy as np
 import torch
 import zmq
 from tensordict import TensorDictBase
@@ -117,6 +118,18 @@ class Actor:
                 self.stop_event.set()
         return False
 
+    def _group_seeds(self) -> list[int] | None:
+        """GRPO: one seed per env, shared within each group of `group_size` envs, new for every
+        group and rollout (with `reset_every_rollout`; otherwise only at the first rollout)."""
+        alg = self.cfg.algorithm
+        if alg.name != "grpo" or (self.seq > 0 and not alg.cfg.reset_every_rollout):
+            return None
+        gs = alg.cfg.group_size
+        groups = self.cfg.actors.num_envs // gs
+        seeds = [int(np.random.SeedSequence([self.cfg.trainer.seed, self.actor_id, self.seq, g]).generate_state(1)[0])
+                 for g in range(groups)]
+        return [seeds[i // gs] for i in range(groups * gs)]
+
     def _wait_storage_free(self, index: int) -> None:
         tracker = self._trackers[index]
         while tracker is not None and not tracker.done and not self.stop_event.is_set():
@@ -140,7 +153,7 @@ class Actor:
                 return False
             self.rollouts_since_sync = 0
         self._wait_storage_free(self.collector.next_index)
-        rollout, stats, index = self.collector.collect(self.version)
+        rollout, stats, index = self.collector.collect(self.version, reset_seeds=self._group_seeds())
         self._last_acted = self.version
         if not self._send(rollout, stats, index):
             return False

@@ -20,8 +20,9 @@ from shared.envs.base import BatchedEnv, EnvSpec
 
 
 def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch.device | str = "cpu",
-                     pin_memory: bool = False) -> TensorDict:
-    """An all-zero rollout ``[N, T]``: the schema actors fill and the learner expects."""
+                     pin_memory: bool = False, with_value: bool = True) -> TensorDict:
+    """An all-zero rollout ``[N, T]``: the schema actors fill and the learner expects.
+    Without a critic (``with_value=False``) there is no ``value`` and no ``next_value``."""
     n, t = num_envs, num_steps
     act = spec.action
     act_shape = act.shape
@@ -38,6 +39,8 @@ def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch
         keys.DONE: torch.zeros(n, t, dtype=torch.bool, device=device),
         keys.POLICY_VERSION: torch.zeros(n, t, dtype=torch.int64, device=device),
     }
+    if not with_value:
+        del tensors[keys.VALUE], tensors[keys.NEXT_VALUE]
     if pin_memory:
         tensors = {k: v.pin_memory() for k, v in tensors.items()}
     return TensorDict(tensors, batch_size=[n, t])
@@ -70,9 +73,10 @@ class Collector:
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
         self.device = next(policy.parameters()).device
         pin = self.device.type == "cuda"
-        self._host = [rollout_template(env.spec, env.num_envs, num_steps, "cpu", pin_memory=pin)
-                      for _ in range(num_buffers)]
-        self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device)
+        self.with_value = getattr(policy, "critic", None) is not None
+        self._host = [rollout_template(env.spec, env.num_envs, num_steps, "cpu", pin_memory=pin,
+                                       with_value=self.with_value) for _ in range(num_buffers)]
+        self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device, with_value=self.with_value)
                      if self.device.type != "cpu" else None)
         self._next = 0
         self.step_delay_s = step_delay_s
@@ -85,8 +89,9 @@ class Collector:
         return self._next
 
     @torch.inference_mode()
-    def collect(self, version: int) -> tuple[TensorDict, RolloutStats, int]:
-        """Fill the next storage with T steps acted by weight version `version`.
+    def collect(self, version: int, reset_seeds: list[int] | None = None) -> tuple[TensorDict, RolloutStats, int]:
+        """Fill the next storage with T steps acted by weight version `version`. With
+        `reset_seeds` (one per env), every env is reset first with its seed (GRPO groups).
 
         Returns ``(rollout, stats, index)``: the rollout aliases storage ``index``, which the
         caller must not let be refilled while it is still being sent.
@@ -95,10 +100,14 @@ class Collector:
         idx = self._next
         self._next = (self._next + 1) % len(self._host)
         out = self._dev if self._dev is not None else self._host[idx]
+        if reset_seeds is not None:
+            self.obs = self.env.reset(seed=reset_seeds).to(self.device)
         obs_b, act_b, logp_b = out[keys.OBS], out[keys.ACTION], out[keys.LOG_PROB]
-        val_b, rew_b, nval_b = out[keys.VALUE], out[keys.REWARD], out[keys.NEXT_VALUE]
-        term_b, trunc_b = out[keys.TERMINATED], out[keys.TRUNCATED]
-        nval_b.zero_()
+        rew_b, term_b, trunc_b = out[keys.REWARD], out[keys.TERMINATED], out[keys.TRUNCATED]
+        val_b = out[keys.VALUE] if self.with_value else None
+        nval_b = out[keys.NEXT_VALUE] if self.with_value else None
+        if nval_b is not None:
+            nval_b.zero_()
         stats = RolloutStats()
         n = self.env.num_envs
         for t in range(self.num_steps):
@@ -120,7 +129,8 @@ class Collector:
             obs_b[:, t] = self.obs
             act_b[:, t] = action
             logp_b[:, t] = td[keys.LOG_PROB]
-            val_b[:, t] = td[keys.VALUE]
+            if val_b is not None:
+                val_b[:, t] = td[keys.VALUE]
             rew_b[:, t] = step.reward
             term_b[:, t] = step.terminated
             trunc_b[:, t] = step.truncated
@@ -128,7 +138,7 @@ class Collector:
                 stats.episode_returns += step.episode_returns
                 stats.episode_lengths += step.episode_lengths
                 trunc = step.truncated & ~step.terminated
-                if bool(trunc.any()):
+                if val_b is not None and bool(trunc.any()):
                     # Truncated steps bootstrap from V(final observation), not from the reset
                     # observation the env returned: that one belongs to the next episode.
                     final = TensorDict({keys.OBS: step.final_obs[trunc]}, batch_size=[int(trunc.sum())])
@@ -138,9 +148,10 @@ class Collector:
         # last step the value of the observation after it.
         done_b = out[keys.DONE]
         torch.logical_or(term_b, trunc_b, out=done_b)
-        last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
-        following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
-        nval_b.copy_(torch.where(done_b, nval_b, following))
+        if val_b is not None:
+            last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
+            following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
+            nval_b.copy_(torch.where(done_b, nval_b, following))
         out[keys.POLICY_VERSION].fill_(version)
         if self._dev is not None:
             self._host[idx].update_(out, non_blocking=True)

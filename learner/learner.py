@@ -30,12 +30,13 @@ from actors.rollout import rollout_template
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
 from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from learner.grpo import MASK, grpo_advantages, grpo_update
 from learner.logs import RunLogger, fmt_num
 from learner.ppo import ppo_update
 from shared import keys
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
-from shared.policies import make_policy, weights_td
+from shared.policies import has_critic, make_policy, weights_td
 from shared.policies.normalization import RewardScaler
 
 log = logging.getLogger("tandem.learner")
@@ -102,8 +103,16 @@ class Learner:
         self.policy = make_policy(cfg, self.spec).to(self.device)
         self.optimizer = make_optimizer(self.policy, self.algo.learning_rate, self.algo.adam_eps)
         self.generator = torch.Generator().manual_seed(t.seed)
-        self.reward_scaler = RewardScaler(self.algo.gamma) if self.algo.normalize_reward else None
-        self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size)
+        self.grpo = cfg.algorithm.name == "grpo"
+        # GRPO's KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
+        self.ref_policy = None
+        if self.grpo and self.algo.kl_coef > 0:
+            self.ref_policy = make_policy(cfg, self.spec).to(self.device).eval().requires_grad_(False)
+            self.ref_policy.load_state_dict(self.policy.state_dict())
+        normalize_reward = getattr(self.algo, "normalize_reward", False)
+        self.reward_scaler = RewardScaler(self.algo.gamma) if normalize_reward else None
+        self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size,
+                                         with_value=has_critic(self.policy))
         capacity = max(t.buffer_capacity, self.k) if not self.standard else 2 * self.k
         self.buffer = CircularBuffer(capacity, self.template)
         self._pending: list[tuple[TensorDictBase, dict]] = []   # taken, waiting for the rest of a batch
@@ -278,23 +287,31 @@ class Learner:
         for info in infos:
             self._version_event("consume", info)
         data = data.to(self.device)
-        flat = data.reshape(-1, data.shape[-1])            # [k*N, T]
-        reward = flat[keys.REWARD]
-        if self.reward_scaler is not None:
-            reward = self.reward_scaler.scale(reward)
-        adv, target = compute_gae(reward, flat[keys.VALUE], flat[keys.NEXT_VALUE], flat[keys.TERMINATED],
-                                  flat[keys.DONE], a.gamma, a.gae_lambda)
-        flat.set(keys.ADVANTAGE, adv)
-        flat.set(keys.VALUE_TARGET, target)
+        flat = data.reshape(-1, data.shape[-1])            # [k*N, T]; GRPO groups stay within a rollout
         if a.anneal_lr:
             frac = max(0.0, 1.0 - self.env_steps_trained / self.cfg.trainer.total_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = a.learning_rate * frac
         self.policy.train()
-        stats = ppo_update(self.policy, self.optimizer, flat, a, self.generator)
-        if not all(math.isfinite(stats[k]) for k in ("loss_policy", "value_loss", "grad_norm")):
+        if self.grpo:
+            adv, mask = grpo_advantages(flat[keys.REWARD], flat[keys.DONE], a.group_size, a.gamma, a.eps,
+                                        a.truncate_at_first_done)
+            flat.set(keys.ADVANTAGE, adv)
+            flat.set(MASK, mask)
+            stats = grpo_update(self.policy, self.ref_policy, self.optimizer, flat, a, self.generator)
+        else:
+            reward = flat[keys.REWARD]
+            if self.reward_scaler is not None:
+                reward = self.reward_scaler.scale(reward)
+            adv, target = compute_gae(reward, flat[keys.VALUE], flat[keys.NEXT_VALUE], flat[keys.TERMINATED],
+                                      flat[keys.DONE], a.gamma, a.gae_lambda)
+            flat.set(keys.ADVANTAGE, adv)
+            flat.set(keys.VALUE_TARGET, target)
+            stats = ppo_update(self.policy, self.optimizer, flat, a, self.generator)
+        checked = {k: stats[k] for k in ("loss_policy", "value_loss", "grad_norm") if k in stats}
+        if not all(math.isfinite(v) for v in checked.values()):
             raise FloatingPointError(f"non-finite loss at update {self.updates + 1} (version {self.version}): "
-                                     f"{ {k: stats[k] for k in ('loss_policy', 'value_loss', 'grad_norm')} }")
+                                     f"{checked}")
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.
         self.policy.update_normalizer(flat[keys.OBS])
@@ -315,7 +332,7 @@ class Learner:
         # loss/policy, loss/value and loss/entropy are the unweighted terms; the coefficients are in the config
         names = {"loss_policy": "policy", "value_loss": "value", "entropy": "entropy", "approx_kl": "approx_kl",
                  "clip_frac": "clip_frac", "grad_norm": "grad_norm", "explained_variance": "explained_variance",
-                 "epochs": "epochs"}
+                 "epochs": "epochs", "kl_ref": "kl_ref", "samples": "samples"}
         values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
         values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
@@ -375,6 +392,7 @@ class Learner:
                 "updates": self.updates, "generator": self.generator.get_state(),
                 "torch_rng": torch.get_rng_state(), "counts": dict(self.counts),
                 "reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
+                "ref_policy": self.ref_policy.state_dict() if self.ref_policy is not None else None,
                 "next_save": self.next_save}
 
     def save(self) -> Path | None:
@@ -395,6 +413,8 @@ class Learner:
         torch.set_rng_state(state["torch_rng"])
         self.counts.update(state["counts"])
         self.next_save = state["next_save"]
+        if self.ref_policy is not None and state.get("ref_policy") is not None:
+            self.ref_policy.load_state_dict(state["ref_policy"])
         if self.reward_scaler is not None and state["reward_scaler"] is not None:
             self.reward_scaler.load_state_dict(state["reward_scaler"])
         self.resumed_from = found[-1]

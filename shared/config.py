@@ -137,9 +137,39 @@ class PPOConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Group-relative policy optimisation: critic-free, advantages relative to a group of envs
+    that start from identical states (see ``learner/grpo.py``)."""
+    group_size: int = 8
+    """Envs per group; actors.num_envs must be a multiple of it."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference (initial) policy: 0 from scratch, ~0.02 to fine-tune."""
+    eps: float = 1e-8
+    """Added to the within-group standard deviation."""
+    reset_every_rollout: bool = True
+    """Reset every env at the start of each rollout (a new seed per group and per rollout)."""
+    truncate_at_first_done: bool = True
+    """An env contributes only up to its first episode end in the rollout."""
+    learning_rate: float = 3e-4
+    anneal_lr: bool = False
+    n_epochs: int = 4
+    batch_size: int = 256
+    gamma: float = 0.99
+    clip_coef: float = 0.2
+    ent_coef: float = 0.0
+    max_grad_norm: float = 0.5
+    target_kl: Optional[float] = None
+    adam_eps: float = 1e-5
+
+
+ALGORITHM_CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
+
+
+@dataclass
 class AlgorithmConfig:
-    name: Literal["ppo"] = "ppo"
-    cfg: PPOConfig = field(default_factory=PPOConfig)
+    name: Literal["ppo", "grpo"] = "ppo"
+    cfg: Union[PPOConfig, GRPOConfig] = field(default_factory=PPOConfig)
+    """PPOConfig for "ppo", GRPOConfig for "grpo" (chosen by `name`)."""
 
 
 @dataclass
@@ -219,7 +249,11 @@ def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
 
 
 def _build(cls: type, raw: dict, path: str, errors: list[str]) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = dict(typing.get_type_hints(cls))
+    if cls is AlgorithmConfig:  # the cfg block's schema depends on the algorithm's name
+        hints["cfg"] = ALGORITHM_CONFIGS.get(raw.get("name"), PPOConfig)
+        if "cfg" not in raw:
+            raw = {**raw, "cfg": {}}
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     kwargs = {}
     for key, value in raw.items():
@@ -236,23 +270,35 @@ def _check(cfg: Config) -> list[str]:
     """Cross-field rules; every violated rule is reported."""
     t, a, le, alg, p = cfg.trainer, cfg.actors, cfg.learner, cfg.algorithm.cfg, cfg.policy
     errors = []
+    grpo = isinstance(alg, GRPOConfig)
     positive = {"trainer.total_steps": t.total_steps, "trainer.buffer_size": t.buffer_size,
                 "trainer.buffer_capacity": t.buffer_capacity, "trainer.num_eval_episodes": t.num_eval_episodes,
                 "actors.num_actors": a.num_actors, "actors.num_envs": a.num_envs,
                 "actors.sync_every": a.sync_every, "actors.torch_threads": a.torch_threads,
                 "learner.torch_threads": le.torch_threads, "learner.recv_hwm": le.recv_hwm,
                 "algorithm.cfg.n_epochs": alg.n_epochs, "algorithm.cfg.batch_size": alg.batch_size,
-                "algorithm.cfg.learning_rate": alg.learning_rate}
+                "algorithm.cfg.learning_rate": alg.learning_rate,
+                **({"algorithm.cfg.group_size": alg.group_size} if grpo else {})}
     errors += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
     non_negative = {"trainer.max_policy_lag": t.max_policy_lag, "trainer.eval_freq": t.eval_freq,
                     "trainer.save_freq": t.save_freq, "trainer.rollouts_per_update": t.rollouts_per_update,
                     "actors.slowdown_s": a.slowdown_s, "algorithm.cfg.ent_coef": alg.ent_coef,
-                    "algorithm.cfg.vf_coef": alg.vf_coef, "algorithm.cfg.max_grad_norm": alg.max_grad_norm,
+                    "algorithm.cfg.max_grad_norm": alg.max_grad_norm,
                     "learner.rollout_port": le.rollout_port, "learner.weights_port": le.weights_port}
+    if grpo:
+        non_negative.update({"algorithm.cfg.kl_coef": alg.kl_coef, "algorithm.cfg.eps": alg.eps})
+    else:
+        non_negative["algorithm.cfg.vf_coef"] = alg.vf_coef
     errors += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
-    for k in ("gamma", "gae_lambda"):
+    for k in ("gamma",) if grpo else ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(alg, k) <= 1.0:
             errors.append(f"algorithm.cfg.{k}: must be in [0, 1], got {getattr(alg, k)}")
+    if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
+        errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
+                      f"({alg.group_size}); GRPO splits each actor's envs into groups")
+    if grpo and p.name != "actor_only":
+        errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
+                      f"algorithm.name is \"grpo\")")
     if not a.devices:
         errors.append("actors.devices: must name at least one device, e.g. [\"cpu\"]")
     for i, dev in enumerate([*a.devices, le.device]):
@@ -272,8 +318,8 @@ def _check(cfg: Config) -> list[str]:
     if cfg.algorithm.name == "ppo" and (p.name != "actor_critic" or p.critic is None):
         errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block "
                       f"(got name {p.name!r}{', critic null' if p.critic is None else ''})")
-    if p.name != "actor_critic":
-        errors.append(f"policy.name: {p.name!r} is not available in this version (only \"actor_critic\")")
+    if p.name == "vla":
+        errors.append("policy.name: \"vla\" is not available in this version (use \"actor_critic\" or \"actor_only\")")
     if t.use_wandb:
         try:
             import wandb  # noqa: F401

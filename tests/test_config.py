@@ -199,7 +199,7 @@ WRONG_TYPES = [  # (patch, dotted key regex, what the message says after "expect
      "list of integer, got int"),
     ({"policy": {"actor": {"network_cfg": {"activation": "sigmoid"}}}}, r"policy\.actor\.network_cfg\.activation",
      "one of 'tanh' | 'relu' | 'elu' | 'gelu', got 'sigmoid'"),
-    ({"algorithm": {"name": "sac"}}, r"algorithm\.name", "one of 'ppo', got 'sac'"),
+    ({"algorithm": {"name": "sac"}}, r"algorithm\.name", "one of 'ppo' | 'grpo', got 'sac'"),
 ]
 
 

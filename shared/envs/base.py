@@ -62,8 +62,9 @@ class BatchedEnv(Protocol):
     spec: EnvSpec
     device: torch.device
 
-    def reset(self, seed: int | None = None) -> torch.Tensor:
-        """Reset every env; returns ``[N, *obs]``. Env i is seeded ``seed + i`` when a seed is given."""
+    def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
+        """Reset every env; returns ``[N, *obs]``. Env i is seeded ``seed + i`` for an int, ``seed[i]``
+        for a list (envs given the same seed start from the same state)."""
         ...
 
     def step(self, action: torch.Tensor) -> StepResult:

@@ -57,7 +57,7 @@ class GymBatchedEnv:
     def _obs(self, obs: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(obs)).to(self.spec.obs_dtype)
 
-    def reset(self, seed: int | None = None) -> torch.Tensor:
+    def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
         obs, _ = self._env.reset(seed=seed)
         self._ep_return[:] = 0.0
         self._ep_length[:] = 0

@@ -43,7 +43,19 @@ class TorchPendulum:
             self._t[mask] = 0
             self._ep_return[mask] = 0.0
 
-    def reset(self, seed: int | None = None) -> torch.Tensor:
+    def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
+        if isinstance(seed, list):
+            if len(seed) != self.num_envs:
+                raise ValueError(f"reset: {len(seed)} seeds for {self.num_envs} envs")
+            for s in sorted(set(seed)):  # envs with the same seed get the same initial state
+                mask = torch.tensor([x == s for x in seed], device=self.device)
+                self._gen.manual_seed(s)
+                theta = (torch.rand(1, generator=self._gen, device=self.device) * 2 - 1) * math.pi
+                theta_dot = torch.rand(1, generator=self._gen, device=self.device) * 2 - 1
+                self._theta[mask], self._theta_dot[mask] = theta, theta_dot
+            self._t.zero_()
+            self._ep_return.zero_()
+            return self._obs()
         if seed is not None:
             self._gen.manual_seed(seed)
         self._reset_where(torch.ones(self.num_envs, dtype=torch.bool, device=self.device))

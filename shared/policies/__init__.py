@@ -18,7 +18,13 @@ torch.distributions.Distribution.set_default_validate_args(False)
 def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
     if cfg.policy.name == "actor_critic":
         return ActorCritic(spec, cfg.policy)
+    if cfg.policy.name == "actor_only":
+        return ActorCritic(spec, cfg.policy, with_critic=False)
     raise ValueError(f"{cfg.source}: policy.name {cfg.policy.name!r} is not available")
+
+
+def has_critic(policy: nn.Module) -> bool:
+    return getattr(policy, "critic", None) is not None
 
 
 def weights_td(policy: nn.Module) -> TensorDict:

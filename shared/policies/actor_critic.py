@@ -1,5 +1,7 @@
 """MLP actor-critic for Box (Gaussian, learnable state-independent log-std) and Discrete spaces.
 
+``actor_only`` (for GRPO) is the same policy without the critic: it writes no ``value``.
+
 TensorDict in, TensorDict out. Observation normalisation lives inside the policy (its buffers), so
 the statistics the actor used travel with the weights and reach checkpoints.
 """
@@ -43,7 +45,7 @@ class ActorCritic(nn.Module):
     (``[*B]``) and ``value`` (``[*B]``).
     """
 
-    def __init__(self, spec: EnvSpec, cfg: PolicyConfig):
+    def __init__(self, spec: EnvSpec, cfg: PolicyConfig, with_critic: bool = True):
         super().__init__()
         if len(spec.obs_shape) != 1:
             raise ValueError(f"actor_critic needs a flat observation vector, got shape {spec.obs_shape}")
@@ -52,7 +54,7 @@ class ActorCritic(nn.Module):
         self.obs_norm = ObsNormalizer(spec.obs_shape, clip=cfg.clip_obs) if cfg.normalize_obs else None
         self.discrete = spec.action.kind == "discrete"
         self.actor = mlp(obs_dim, cfg.actor, spec.action.dim, 0.01, cfg.ortho_init)
-        self.critic = mlp(obs_dim, cfg.critic, 1, 1.0, cfg.ortho_init)
+        self.critic = mlp(obs_dim, cfg.critic or NetConfig(), 1, 1.0, cfg.ortho_init) if with_critic else None
         if not self.discrete:
             self.log_std = nn.Parameter(torch.full((spec.action.dim,), float(cfg.log_std_init)))
         self._action_shape = spec.action.shape
@@ -83,18 +85,23 @@ class ActorCritic(nn.Module):
             action = action.reshape(*action.shape[:-1], *self._action_shape)
         td.set(keys.ACTION, action)
         td.set(keys.LOG_PROB, self._log_prob(dist, action))
-        td.set(keys.VALUE, self.critic(x).squeeze(-1))
+        if self.critic is not None:
+            td.set(keys.VALUE, self.critic(x).squeeze(-1))
         return td
 
     def get_value(self, td: TensorDictBase) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("get_value: this policy has no critic (policy.name \"actor_only\")")
         return self.critic(self._features(td[keys.OBS])).squeeze(-1)
 
-    def evaluate_actions(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-prob and entropy of ``td["action"]`` under this policy, and the value: each ``[*B]``."""
+    def evaluate_actions(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-prob and entropy of ``td["action"]`` under this policy, and the value (None without a
+        critic): each ``[*B]``."""
         x = self._features(td[keys.OBS])
         dist = self._dist(x)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        return self._log_prob(dist, td[keys.ACTION]), entropy, self.critic(x).squeeze(-1)
+        value = self.critic(x).squeeze(-1) if self.critic is not None else None
+        return self._log_prob(dist, td[keys.ACTION]), entropy, value
 
     @torch.no_grad()
     def update_normalizer(self, obs: torch.Tensor) -> None:

@@ -1,0 +1,117 @@
+"""GRPO: critic-free policy optimisation with group-relative advantages, top to bottom.
+
+An actor's envs are split into groups of ``group_size`` consecutive envs that start from identical
+states. For every env the discounted return-to-go within the rollout is computed; at each step it
+is normalised against the envs of its group that are still running at that step. The update is
+PPO's clipped ratio on the behaviour log-prob, plus an optional KL penalty to a frozen reference
+policy (the initial weights: from scratch ``kl_coef = 0``, fine-tuning ~0.02).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from shared import keys
+from shared.config import GRPOConfig
+
+MASK = "mask"   # learner-side: which steps take part in the update
+
+
+@torch.no_grad()
+def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, gamma: float, eps: float,
+                    truncate_at_first_done: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages.
+
+    Args:
+        reward, done: ``[B, T]``; rows ``g * group_size ... (g + 1) * group_size - 1`` are group g.
+        group_size: envs per group (B must be a multiple).
+        gamma: discount of the step-wise return-to-go (cut at every episode end).
+        eps: added to the within-group standard deviation.
+        truncate_at_first_done: mask out every step after an env's first episode end.
+
+    Returns:
+        ``(advantage, mask)``, both ``[B, T]``; advantage is 0 where mask is False.
+    """
+    b, t_len = reward.shape
+    if b % group_size:
+        raise ValueError(f"grpo_advantages: {b} envs are not a multiple of group_size {group_size}")
+    done = done.bool()
+    ret = torch.empty_like(reward)
+    running = torch.zeros_like(reward[:, 0])
+    for t in range(t_len - 1, -1, -1):
+        running = reward[:, t] + gamma * running * (~done[:, t])
+        ret[:, t] = running
+    if truncate_at_first_done:
+        ended_before = done.long().cumsum(1) - done.long()       # episode ends strictly before t
+        mask = ended_before == 0
+    else:
+        mask = torch.ones_like(done)
+    g = ret.view(b // group_size, group_size, t_len)
+    m = mask.view(b // group_size, group_size, t_len).to(ret.dtype)
+    n = m.sum(1, keepdim=True).clamp(min=1.0)
+    mean = (g * m).sum(1, keepdim=True) / n
+    std = (((g - mean) ** 2 * m).sum(1, keepdim=True) / n).sqrt()
+    adv = ((g - mean) / (std + eps) * m).view(b, t_len)
+    return adv, mask
+
+
+def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[str, torch.Tensor]:
+    """Losses and diagnostics on one minibatch ``[B]`` of unmasked samples."""
+    new_logp, entropy, _ = policy.evaluate_actions(mb)
+    log_ratio = new_logp - mb[keys.LOG_PROB]
+    ratio = log_ratio.exp()
+    adv = mb[keys.ADVANTAGE]
+    pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+    ent = entropy.mean()
+    out = {"loss_policy": pg_loss, "loss_entropy": -cfg.ent_coef * ent, "entropy": ent.detach()}
+    if cfg.kl_coef > 0:
+        d = mb["ref_log_prob"] - new_logp
+        kl = (d.exp() - d - 1).mean()                         # k3 estimator of KL(policy || reference)
+        out["loss_kl"] = cfg.kl_coef * kl
+        out["kl_ref"] = kl.detach()
+    with torch.no_grad():
+        out["approx_kl"] = ((ratio - 1) - log_ratio).mean()
+        out["clip_frac"] = ((ratio - 1).abs() > cfg.clip_coef).float().mean()
+    return out
+
+
+def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torch.optim.Optimizer,
+                batch: TensorDictBase, cfg: GRPOConfig, generator: torch.Generator) -> dict[str, float]:
+    """``n_epochs`` passes of shuffled minibatches over the unmasked steps of `batch` (``[B, T]``
+    with ``advantage`` and ``mask``)."""
+    b = batch.reshape(-1)
+    keep = b[MASK].nonzero().squeeze(-1)
+    fields = {k: b.get(k)[keep] for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.ADVANTAGE)}
+    n = keep.numel()
+    if ref_policy is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
+    sums: dict[str, torch.Tensor] = {}
+    count = epochs = 0
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for _ in range(cfg.n_epochs):
+        epochs += 1
+        perm = torch.randperm(n, generator=generator).to(b.device)
+        epoch_kl = []
+        for start in range(0, n, cfg.batch_size):
+            idx = perm[start:start + cfg.batch_size]
+            mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
+            out = grpo_loss(policy, mb, cfg)
+            loss = sum(v for k, v in out.items() if k.startswith("loss_"))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            out["grad_norm"] = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 \
+                else torch.zeros(())
+            optimizer.step()
+            for k, v in out.items():
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
+            epoch_kl.append(out["approx_kl"])
+            count += 1
+        if cfg.target_kl is not None and float(torch.stack(epoch_kl).mean()) > cfg.target_kl:
+            break
+    result = {k: float(v) / max(count, 1) for k, v in sums.items()}
+    result["epochs"] = epochs
+    result["samples"] = n
+    return result

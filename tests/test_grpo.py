@@ -1,0 +1,177 @@
+"""GRPO: group-relative advantages by hand, identical group starts, the reference-KL term, config rules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from actors.actor import Actor
+from learner.grpo import MASK, grpo_advantages, grpo_loss, grpo_update
+from learner.learner import Learner, ListPublisher
+from shared import keys
+from shared.config import ConfigError, GRPOConfig, config_from_dict, load_config
+from tests.test_learner_component import CaptureSink, PublisherSource
+
+
+def test_advantages_two_groups_by_hand():
+    # group 0: envs 0, 1 (no episode ends); group 1: envs 2, 3
+    reward = torch.tensor([[1.0, 1.0], [0.0, 1.0], [2.0, 0.0], [2.0, 0.0]])
+    done = torch.zeros(4, 2, dtype=torch.bool)
+    adv, mask = grpo_advantages(reward, done, group_size=2, gamma=0.5, eps=1e-8, truncate_at_first_done=True)
+    # returns-to-go with gamma 0.5: env0 [1.5, 1], env1 [0.5, 1], env2 [2, 0], env3 [2, 0]
+    # group 0 at t=0: mean 1, population std 0.5 -> +1, -1; at t=1 both 1 -> 0. Group 1 identical -> 0.
+    assert mask.all()
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_advantages_zero_when_group_identical():
+    reward = torch.ones(4, 3)
+    adv, _ = grpo_advantages(reward, torch.zeros(4, 3, dtype=torch.bool), 4, 0.9, 1e-8, True)
+    assert torch.equal(adv, torch.zeros(4, 3))
+
+
+def test_truncation_at_first_done_masks_and_renormalises_over_running_envs():
+    # group of 3; env 0 ends at t=0, env 1 at t=1, env 2 runs on
+    reward = torch.tensor([[1.0, 5.0, 5.0], [1.0, 1.0, 5.0], [1.0, 1.0, 1.0]])
+    done = torch.tensor([[True, False, False], [False, True, False], [False, False, False]])
+    adv, mask = grpo_advantages(reward, done, group_size=3, gamma=1.0, eps=1e-8, truncate_at_first_done=True)
+    assert mask.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    # t=0 returns: env0 1 (ends), env1 2, env2 3 -> mean 2, pop. std sqrt(2/3)
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([-1 / s, 0.0, 1 / s]), rtol=1e-5, atol=1e-6)
+    # t=1 running: env1 (return 1), env2 (return 2) -> mean 1.5, std 0.5 -> -1, +1; env0 masked to 0
+    torch.testing.assert_close(adv[:, 1], torch.tensor([0.0, -1.0, 1.0]), rtol=1e-5, atol=1e-6)
+    # t=2 only env2 runs: its own mean -> 0
+    torch.testing.assert_close(adv[:, 2], torch.zeros(3))
+
+
+def test_without_truncation_returns_restart_after_episode_end():
+    reward = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    done = torch.tensor([[False, True, False], [False, False, False]])
+    adv, mask = grpo_advantages(reward, done, group_size=2, gamma=1.0, eps=0.0, truncate_at_first_done=False)
+    assert mask.all()
+    # env0 returns [2, 1, 1] (cut at t=1), env1 [0, 0, 0]: always above the group mean
+    assert (adv[0] > 0).all() and (adv[1] < 0).all()
+
+
+def test_group_size_must_divide_envs():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        grpo_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.bool), 2, 0.9, 1e-8, True)
+
+
+class _Policy(torch.nn.Module):
+    def __init__(self, logp):
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.zeros(()))
+        self.logp = logp
+
+    def evaluate_actions(self, td):
+        return self.logp[td[keys.OBS].long()] + self.shift, torch.zeros(td.shape[0]), None
+
+
+def test_reference_kl_term():
+    logp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.25, 0.4]))
+    mb = TensorDict({keys.OBS: torch.arange(2.0), keys.ACTION: torch.zeros(2), keys.LOG_PROB: logp.clone(),
+                     keys.ADVANTAGE: torch.zeros(2), "ref_log_prob": ref}, [2])
+    out = grpo_loss(_Policy(logp), mb, GRPOConfig(kl_coef=0.1))
+    d = ref - logp
+    expected = (d.exp() - d - 1).mean()
+    assert out["kl_ref"].item() == pytest.approx(expected.item())
+    assert out["loss_kl"].item() == pytest.approx(0.1 * expected.item())
+    assert "loss_kl" not in grpo_loss(_Policy(logp), mb, GRPOConfig(kl_coef=0.0))
+
+
+def test_update_only_trains_on_unmasked_steps():
+    seen = []
+
+    class Recording(_Policy):
+        def evaluate_actions(self, td):
+            seen.append(td[keys.OBS].clone())
+            return super().evaluate_actions(td)
+
+    n = 6
+    batch = TensorDict({keys.OBS: torch.arange(float(n)).view(2, 3), keys.ACTION: torch.zeros(2, 3),
+                        keys.LOG_PROB: torch.zeros(2, 3), keys.ADVANTAGE: torch.ones(2, 3),
+                        MASK: torch.tensor([[True, False, True], [True, True, False]])}, [2, 3])
+    pol = Recording(torch.zeros(n))
+    stats = grpo_update(pol, None, torch.optim.SGD(pol.parameters(), lr=0.0), batch,
+                        GRPOConfig(n_epochs=2, batch_size=10), torch.Generator().manual_seed(0))
+    assert stats["samples"] == 4
+    assert sorted(torch.cat(seen[:1]).tolist()) == [0.0, 2.0, 3.0, 4.0]
+
+
+def grpo_config(**alg):
+    return config_from_dict({
+        "trainer": {"seed": 2, "buffer_size": 6, "buffer_type": "standard", "eval_freq": 0, "save_freq": 0},
+        "actors": {"num_actors": 1, "num_envs": 4},
+        "env": {"id": "Pendulum-v1"},
+        "policy": {"name": "actor_only", "critic": None, "actor": {"network_cfg": {"hidden_sizes": [8]}}},
+        "algorithm": {"name": "grpo", "cfg": {"group_size": 2, "batch_size": 8, **alg}},
+    }, source="test")
+
+
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "tandem/Pendulum-v0"])
+def test_envs_of_a_group_start_from_identical_states(env_id):
+    cfg = grpo_config()
+    cfg.env.id = env_id
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    firsts = []
+    for _ in range(2):
+        assert actor.step_once()
+        td, _ = sink.messages[-1]
+        assert keys.VALUE not in td.keys() and keys.NEXT_VALUE not in td.keys()
+        first = td[keys.OBS][:, 0]
+        torch.testing.assert_close(first[0], first[1])      # group 0
+        torch.testing.assert_close(first[2], first[3])      # group 1
+        assert not torch.allclose(first[0], first[2])       # groups differ
+        firsts.append(first)
+        learner.ingest(td, sink.messages[-1][1])
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    assert not torch.allclose(firsts[0], firsts[1])         # a new seed per rollout
+    assert learner.version == 2
+
+
+def test_kl_reference_is_frozen_initial_policy_and_checkpointed(tmp_path):
+    cfg = grpo_config(kl_coef=0.05)
+    learner = Learner(cfg, run_dir=tmp_path, publisher=ListPublisher())
+    learner.publish()
+    init = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(learner.publisher), sink)
+    assert actor.step_once()
+    learner.ingest(*sink.messages[-1])
+    stats = learner.update_once(*learner.take_batch(timeout_s=0))
+    assert "kl_ref" in stats
+    for k, v in learner.ref_policy.state_dict().items():
+        assert torch.equal(v, init[k])
+    learner.save()
+    resumed = Learner(cfg, run_dir=tmp_path, publisher=ListPublisher(), resume=True)
+    for k, v in learner.ref_policy.state_dict().items():
+        assert torch.equal(resumed.ref_policy.state_dict()[k], v)
+
+
+def test_bad_combinations_name_file_and_keys(tmp_path):
+    raw = json.loads(open("configs/cartpole_grpo.json").read())
+    raw["actors"]["num_envs"] = 12
+    raw["policy"]["name"] = "actor_critic"
+    path = tmp_path / "grpo_bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "grpo_bad.json: actors.num_envs: 12 is not a multiple of algorithm.cfg.group_size (8)" in msg
+    assert "grpo_bad.json: policy.name: GRPO is critic-free" in msg
+    raw = json.loads(open("configs/cartpole_grpo.json").read())
+    raw["algorithm"]["cfg"]["gae_lambda"] = 0.9                  # a PPO key under GRPO
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"grpo_bad\.json: algorithm\.cfg\.gae_lambda: unknown key"):
+        load_config(path)
