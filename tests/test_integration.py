@@ -534,3 +534,25 @@ def test_learner_refuses_bad_messages(tmp_path):
     assert summary["rollouts"] == 0 and summary["updates"] == 0 and summary["version"] == 0, summary
     assert summary["stopped_by"] == "SIGTERM", summary
     assert not (run_dir / "endpoints.json").exists()
+
+
+@pytest.mark.slow
+def test_grpo_run_local(tmp_path):
+    """configs/cartpole_grpo.json through the launcher: critic-free rollouts cross the wire and
+    the learner publishes a version per update."""
+    run_dir = tmp_path / "run"
+    run = launch(tmp_path, run_dir, "--config", str(ROOT / "configs" / "cartpole_grpo.json"), "--steps", "24000",
+                 "--set", "trainer.eval_freq=0")
+    try:
+        rc = run.wait(RUN_TIMEOUT_S)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["updates"] >= 2, summary
+    events = read_jsonl(run_dir / "versions.jsonl")
+    assert_versions_publish_sequence(events, start=0)
+    assert_consume_lags(events, max_lag=0)
+    updates = update_lines(read_jsonl(run_dir / "metrics.jsonl"))
+    assert updates and all("loss/policy" in u and "loss/samples" in u for u in updates)
