@@ -57,7 +57,8 @@ class Actor:
         self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
         slow = not cfg.actors.slow_actor_ids or actor_id in cfg.actors.slow_actor_ids
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=seed,
-                                   step_delay_s=cfg.actors.slowdown_s if slow else 0.0)
+                                   step_delay_s=cfg.actors.slowdown_s if slow else 0.0,
+                                   inference_latency_s=cfg.actors.inference_latency_s)
         self.version = -1          # no weights yet
         self.seq = 0
         self._trackers: list[zmq.MessageTracker | None] = [None, None]

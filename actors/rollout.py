@@ -64,10 +64,11 @@ class Collector:
         num_steps: T, steps per env per rollout.
         num_buffers: storages used in turn (2: fill one while the other is being sent).
         step_delay_s: extra sleep per env step (a slow actor for tests and studies).
+        inference_latency_s: extra latency per acting policy call (a stand-in for a large model).
     """
 
     def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
-                 num_buffers: int = 2, step_delay_s: float = 0.0):
+                 num_buffers: int = 2, step_delay_s: float = 0.0, inference_latency_s: float = 0.0):
         self.env, self.policy, self.num_steps = env, policy, num_steps
         # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
@@ -80,6 +81,7 @@ class Collector:
                      if self.device.type != "cpu" else None)
         self._next = 0
         self.step_delay_s = step_delay_s
+        self.inference_latency_s = inference_latency_s
         self.obs = env.reset(seed=seed).to(self.device)
         self.env_steps = 0
 
@@ -114,6 +116,8 @@ class Collector:
             ti = time.perf_counter()
             td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
             action = td[keys.ACTION]
+            if self.inference_latency_s:
+                time.sleep(self.inference_latency_s)
             te = time.perf_counter()
             step = self.env.step(action)
             if self.step_delay_s:

@@ -63,6 +63,9 @@ class ActorsConfig:
     torch_threads: int = 1
     slowdown_s: float = 0.0
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
+    inference_latency_s: float = 0.0
+    """Fixed extra latency per acting policy call on every actor, standing in for a large model
+    (a VLA's forward pass can take a second); the actor's CPU stays free meanwhile."""
     slow_actor_ids: list[int] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
 
@@ -282,7 +285,8 @@ def _check(cfg: Config) -> list[str]:
     errors += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
     non_negative = {"trainer.max_policy_lag": t.max_policy_lag, "trainer.eval_freq": t.eval_freq,
                     "trainer.save_freq": t.save_freq, "trainer.rollouts_per_update": t.rollouts_per_update,
-                    "actors.slowdown_s": a.slowdown_s, "algorithm.cfg.ent_coef": alg.ent_coef,
+                    "actors.slowdown_s": a.slowdown_s, "actors.inference_latency_s": a.inference_latency_s,
+                    "algorithm.cfg.ent_coef": alg.ent_coef,
                     "algorithm.cfg.max_grad_norm": alg.max_grad_norm,
                     "learner.rollout_port": le.rollout_port, "learner.weights_port": le.weights_port}
     if grpo:
