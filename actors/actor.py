@@ -18,7 +18,7 @@ import zmq
 from tensordict import TensorDictBase
 
 from actors.rollout import Collector
-from shared import keys, wire
+from shared import wire
 from shared.config import Config
 from shared.envs import make_env
 from shared.policies import load_weights_, make_policy

@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from learner.minibatch import run_epochs
 from shared import keys
 from shared.config import GRPOConfig
 
@@ -88,30 +89,7 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
     if ref_policy is not None and cfg.kl_coef > 0:
         with torch.no_grad():
             fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
-    sums: dict[str, torch.Tensor] = {}
-    count = epochs = 0
-    params = [p for p in policy.parameters() if p.requires_grad]
-    for _ in range(cfg.n_epochs):
-        epochs += 1
-        perm = torch.randperm(n, generator=generator).to(b.device)
-        epoch_kl = []
-        for start in range(0, n, cfg.batch_size):
-            idx = perm[start:start + cfg.batch_size]
-            mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
-            out = grpo_loss(policy, mb, cfg)
-            loss = sum(v for k, v in out.items() if k.startswith("loss_"))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            out["grad_norm"] = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 \
-                else torch.zeros(())
-            optimizer.step()
-            for k, v in out.items():
-                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
-            epoch_kl.append(out["approx_kl"])
-            count += 1
-        if cfg.target_kl is not None and float(torch.stack(epoch_kl).mean()) > cfg.target_kl:
-            break
-    result = {k: float(v) / max(count, 1) for k, v in sums.items()}
-    result["epochs"] = epochs
+    result = run_epochs(policy, optimizer, fields, lambda mb: grpo_loss(policy, mb, cfg), cfg.n_epochs,
+                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator)
     result["samples"] = n
     return result

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from actors.rollout import rollout_template
 from learner.advantages import compute_gae

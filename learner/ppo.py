@@ -8,9 +8,10 @@ order comes from the learner's own ``torch.Generator``, so an update is a pure f
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch import nn
 
+from learner.minibatch import run_epochs
 from shared import keys
 from shared.config import PPOConfig
 
@@ -48,37 +49,10 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     minibatches, plus ``epochs`` (fewer than ``n_epochs`` when ``target_kl`` stopped early).
     """
     b = batch.reshape(-1)
-    n = b.shape[0]
-    # Index plain tensors: TensorDict indexing per minibatch costs more than a small MLP step.
     fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
                                     keys.VALUE_TARGET)}
-    sums: dict[str, torch.Tensor] = {}   # kept on the device: no host sync per minibatch
-    count = 0
-    epochs = 0
-    params = [p for p in policy.parameters() if p.requires_grad]
-    for _ in range(cfg.n_epochs):
-        epochs += 1
-        perm = torch.randperm(n, generator=generator).to(b.device)
-        epoch_kl = []
-        for start in range(0, n, cfg.batch_size):
-            idx = perm[start:start + cfg.batch_size]
-            mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
-            out = ppo_loss(policy, mb, cfg)
-            loss = out["loss_policy"] + out["loss_value"] + out["loss_entropy"]
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
-                torch.zeros(())
-            optimizer.step()
-            out["grad_norm"] = grad_norm
-            for k, v in out.items():
-                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
-            epoch_kl.append(out["approx_kl"])
-            count += 1
-        if cfg.target_kl is not None and float(torch.stack(epoch_kl).mean()) > cfg.target_kl:
-            break
-    result = {k: float(v) / count for k, v in sums.items()}
-    result["epochs"] = epochs
+    result = run_epochs(policy, optimizer, fields, lambda mb: ppo_loss(policy, mb, cfg), cfg.n_epochs,
+                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from learner.learner import Learner, RejectedMessage
 from learner.logs import RunLogger
 from shared import wire
 from shared.config import Config, save_config
-from shared.transport import LINGER_MS, WeightsPublisher, bind, write_endpoints
+from shared.transport import WeightsPublisher, bind, write_endpoints
 
 log = logging.getLogger("tandem.learner")
 
