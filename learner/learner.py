@@ -60,6 +60,24 @@ class RejectedMessage(ValueError):
     """A message the learner will not take; the text names the sender and what is wrong."""
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _checked_eval(meta: dict) -> dict:
+    """An evaluator's result with the fields the learner logs, type-checked (any peer can send one)."""
+    returns, lengths = meta.get("returns"), meta.get("lengths")
+    ok = (isinstance(returns, list) and isinstance(lengths, list) and len(returns) == len(lengths)
+          and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in returns)
+          and all(_is_int(n) for n in lengths)
+          and _is_int(meta.get("version")) and _is_int(meta.get("env_steps")))
+    if not ok:
+        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: needs returns (numbers), "
+                              f"lengths (ints) of the same length, version and env_steps (ints)")
+    return {"returns": [float(r) for r in returns], "lengths": lengths, "version": meta["version"],
+            "env_steps": meta["env_steps"], "final": bool(meta.get("final"))}
+
+
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
     # The fused kernel is ~35% faster per minibatch for small MLPs on CPU and is what CUDA wants too.
     try:
@@ -163,7 +181,7 @@ class Learner:
         """
         kind = meta.get("kind")
         if kind == "eval":
-            self.evals.put(meta)
+            self.evals.put(_checked_eval(meta))
             return
         if not self.accepting:
             return  # the run is over; this rollout is neither counted nor stored
@@ -188,8 +206,12 @@ class Learner:
         versions = td[keys.POLICY_VERSION]
         vmin, vmax = int(versions.min()), int(versions.max())
         now = time.time()
-        info = {"actor": actor, "seq": meta.get("seq"), "policy_version": vmin, "policy_version_max": vmax,
-                "env_steps": td.numel(), "sent": meta.get("time"), "received": now}
+        seq, sent = meta.get("seq"), meta.get("time")
+        # Only well-typed values reach versions.jsonl: a peer's meta must never break the log writer.
+        info = {"actor": actor, "seq": seq if _is_int(seq) else None, "policy_version": vmin,
+                "policy_version_max": vmax, "env_steps": td.numel(),
+                "sent": float(sent) if isinstance(sent, (int, float)) and not isinstance(sent, bool) else None,
+                "received": now}
         if vmax > self.version:
             raise RejectedMessage(f"actor {actor}: rollout claims version {vmax}, newer than the learner's "
                                   f"{self.version}")
@@ -200,9 +222,10 @@ class Learner:
             if self.first_rollout_time is None:
                 self.first_rollout_time = now
             self.last_rollout_time = now
-            for r, n in zip(returns, lengths):
-                if isinstance(r, (int, float)) and isinstance(n, int):
-                    self._episodes.append((float(r), n))
+            if isinstance(returns, list) and isinstance(lengths, list):
+                for r, n in zip(returns, lengths):
+                    if isinstance(r, (int, float)) and _is_int(n) and math.isfinite(r):
+                        self._episodes.append((float(r), n))
         if self.discard:
             return
         if self.reward_scaler is not None:

@@ -241,3 +241,25 @@ def test_checkpoint_resume_restores_everything(tmp_path):
         l.update_once(*l.take_batch(timeout_s=0))
     for k, v in learner.policy.state_dict().items():
         torch.testing.assert_close(resumed.policy.state_dict()[k], v)
+
+
+def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
+    from learner.logs import RunLogger
+    cfg = small_config(buffer_type="vla")
+    logger = RunLogger(tmp_path, use_tensorboard=False)
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher(), logger=logger)
+    learner.publish()
+    td = learner.template.clone()
+    learner.ingest(td, {"kind": "rollout", "actor": 0, "seq": b"\x00bytes", "time": "yesterday",
+                        "episode_returns": [1.0, "x", float("nan")], "episode_lengths": [3, 4]})
+    assert len(learner.buffer) == 1 and list(learner._episodes) == [(1.0, 3)]
+    for bad in ({"returns": ["x"], "lengths": [1], "version": 0, "env_steps": 0},
+                {"returns": [1.0], "lengths": [1, 2], "version": 0, "env_steps": 0},
+                {"returns": [1.0], "lengths": [1], "version": "0", "env_steps": 0}):
+        with pytest.raises(RejectedMessage, match="malformed eval result"):
+            learner.ingest(TensorDict({}, []), {"kind": "eval", **bad})
+    learner.update_once(*learner.take_batch(timeout_s=0))      # logs a consume event with seq None
+    logger.close()
+    import json
+    lines = [json.loads(l) for l in (tmp_path / "versions.jsonl").read_text().splitlines()]
+    assert any(l["event"] == "consume" and l["seq"] is None for l in lines)
