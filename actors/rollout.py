@@ -27,8 +27,13 @@ def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch
     act = spec.action
     act_shape = act.shape
     act_dtype = torch.int64 if act.kind == "discrete" else torch.float32
+    if spec.multimodal:
+        obs = TensorDict({k: torch.zeros(n, t, *shape, dtype=dtype, device=device)
+                          for k, (shape, dtype) in spec.obs_keys.items()}, batch_size=[n, t])
+    else:
+        obs = torch.zeros(n, t, *spec.obs_shape, dtype=spec.obs_dtype, device=device)
     tensors = {
-        keys.OBS: torch.zeros(n, t, *spec.obs_shape, dtype=spec.obs_dtype, device=device),
+        keys.OBS: obs,
         keys.ACTION: torch.zeros(n, t, *act_shape, dtype=act_dtype, device=device),
         keys.LOG_PROB: torch.zeros(n, t, device=device),
         keys.VALUE: torch.zeros(n, t, device=device),
@@ -124,7 +129,7 @@ class Collector:
                 time.sleep(self.step_delay_s)
             stats.inference_s += te - ti
             stats.env_s += time.perf_counter() - te
-            if step.obs.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
+            if step.reward.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
                 step = step._replace(obs=step.obs.to(self.device, non_blocking=True),
                                      final_obs=step.final_obs.to(self.device, non_blocking=True),
                                      reward=step.reward.to(self.device, non_blocking=True),

@@ -38,16 +38,28 @@ class ActionSpec:
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """What a policy and a rollout need to know about an env (one env, no batch dim)."""
+    """What a policy and a rollout need to know about an env (one env, no batch dim).
+
+    A flat observation is one tensor of ``obs_shape`` / ``obs_dtype``. A multi-modal observation is
+    a TensorDict whose leaves ``obs_keys`` lists as ``{name: (shape, dtype)}`` (e.g. ``rgb`` uint8
+    ``(H, W, 3)``, ``proprio`` float32, ``instruction`` int64 token ids); it travels through actors,
+    the wire and the buffer in those dtypes, unflattened.
+    """
     obs_shape: tuple[int, ...]
     obs_dtype: torch.dtype
     action: ActionSpec
     max_episode_steps: int | None = None
+    obs_keys: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.obs_keys)
 
 
 class StepResult(NamedTuple):
-    obs: torch.Tensor                # [N, *obs] next observation (reset obs where an episode ended)
+    obs: torch.Tensor                # [N, *obs] next observation (reset obs where an episode ended);
+                                     # a TensorDict [N] for a multi-modal env
     reward: torch.Tensor             # [N] float32
     terminated: torch.Tensor         # [N] bool
     truncated: torch.Tensor          # [N] bool
