@@ -80,10 +80,11 @@ def _checked_eval(meta: dict) -> dict:
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
     # The fused kernel is ~35% faster per minibatch for small MLPs on CPU and is what CUDA wants too.
+    params = [p for p in policy.parameters() if p.requires_grad]   # frozen parts are not optimised
     try:
-        return torch.optim.Adam(policy.parameters(), lr=lr, eps=eps, fused=True)
+        return torch.optim.Adam(params, lr=lr, eps=eps, fused=True)
     except (RuntimeError, TypeError):
-        return torch.optim.Adam(policy.parameters(), lr=lr, eps=eps)
+        return torch.optim.Adam(params, lr=lr, eps=eps)
 
 
 def env_spec_of(cfg: Config) -> EnvSpec:
@@ -129,6 +130,9 @@ class Learner:
             self.ref_policy.load_state_dict(self.policy.state_dict())
         normalize_reward = getattr(self.algo, "normalize_reward", False)
         self.reward_scaler = RewardScaler(self.algo.gamma) if normalize_reward else None
+        if not self.grpo and not has_critic(self.policy):
+            raise ValueError(f"{cfg.source}: PPO needs a value estimate, and this {cfg.policy.name!r} policy has "
+                             f"none (give the VLA model a value(obs) head, or use algorithm.name \"grpo\")")
         self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size,
                                          with_value=has_critic(self.policy))
         capacity = max(t.buffer_capacity, self.k) if not self.standard else 2 * self.k

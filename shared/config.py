@@ -104,6 +104,24 @@ class NetConfig:
 
 
 @dataclass
+class VLAConfig:
+    """A pretrained model implementing the VLA model interface (``shared/policies/vla.py``)."""
+    model_path: str = ""
+    """A ``.safetensors`` file or a ``torch.save`` state dict (loaded with ``weights_only=True``);
+    empty: the model keeps the initialisation its class gives it."""
+    model_class: str = ""
+    """Import path ``package.module.Class`` of an ``nn.Module``."""
+    model_config: dict = field(default_factory=dict)
+    """Keyword arguments for the class."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name prefixes to freeze (e.g. ``["vision."]``): not trained."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype; bfloat16 halves memory and weight traffic."""
+    autocast: bool = False
+    """Run forward passes under ``torch.autocast`` in bfloat16 (where the device supports it)."""
+
+
+@dataclass
 class PolicyConfig:
     name: Literal["actor_critic", "actor_only", "vla"] = "actor_critic"
     actor: NetConfig = field(default_factory=NetConfig)
@@ -114,6 +132,8 @@ class PolicyConfig:
     log_std_init: float = 0.0
     """Initial log standard deviation of the Gaussian (Box action spaces)."""
     ortho_init: bool = True
+    vla_config: Optional[VLAConfig] = None
+    """Only for name "vla"."""
 
 
 @dataclass
@@ -300,7 +320,7 @@ def _check(cfg: Config) -> list[str]:
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
-    if grpo and p.name != "actor_only":
+    if grpo and p.name == "actor_critic":
         errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
                       f"algorithm.name is \"grpo\")")
     if not a.devices:
@@ -319,11 +339,15 @@ def _check(cfg: Config) -> list[str]:
     if t.buffer_type == "vla" and t.buffer_capacity < cfg.rollouts_per_update:
         errors.append(f"trainer.buffer_capacity: {t.buffer_capacity} cannot hold one update's "
                       f"{cfg.rollouts_per_update} rollouts (trainer.rollouts_per_update, default num_actors)")
-    if cfg.algorithm.name == "ppo" and (p.name != "actor_critic" or p.critic is None):
-        errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block "
-                      f"(got name {p.name!r}{', critic null' if p.critic is None else ''})")
-    if p.name == "vla":
-        errors.append("policy.name: \"vla\" is not available in this version (use \"actor_critic\" or \"actor_only\")")
+    if cfg.algorithm.name == "ppo" and (p.name == "actor_only" or (p.name == "actor_critic" and p.critic is None)):
+        errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block, or a "
+                      f"\"vla\" model with a value head (got name {p.name!r}"
+                      f"{', critic null' if p.critic is None else ''})")
+    if p.name == "vla" and (p.vla_config is None or not p.vla_config.model_class):
+        errors.append("policy.vla_config.model_class: policy.name \"vla\" needs the model's import path "
+                      "(package.module.Class)")
+    if p.name != "vla" and p.vla_config is not None:
+        errors.append(f"policy.vla_config: only used with policy.name \"vla\" (got {p.name!r})")
     if t.use_wandb:
         try:
             import wandb  # noqa: F401

@@ -20,6 +20,10 @@ def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
         return ActorCritic(spec, cfg.policy)
     if cfg.policy.name == "actor_only":
         return ActorCritic(spec, cfg.policy, with_critic=False)
+    if cfg.policy.name == "vla":
+        from shared.policies.vla import VLAPolicy, load_vla_model
+        v = cfg.policy.vla_config
+        return VLAPolicy(load_vla_model(v.model_path, v.model_class, v.model_config), v)
     raise ValueError(f"{cfg.source}: policy.name {cfg.policy.name!r} is not available")
 
 

@@ -1,0 +1,568 @@
+"""How much the asynchronous actor-learner design gains when inference is slow.
+
+    .venv/bin/python benchmarks/async_speedup.py [--config configs/cartpole_ppo.json] [--latency 0.2]
+                                                 [--steps 16384] [--num-envs 64] [--buffer-size 8]
+                                                 [--max-lag 8] [--variants standard1,vla1,vla2,vla4,thread]
+                                                 [--json out.json] [--keep-runs DIR] [--set KEY=VALUE ...]
+
+Every variant trains the same config to the same number of env steps, with a fixed latency
+(``--latency`` seconds, a sleep: ``actors.inference_latency_s``) added to every acting policy call,
+standing in for a large model. The variants:
+
+1. ``standard-1`` -- ``trainer.buffer_type=standard``, 1 actor: collect, then train, then collect.
+2. ``vla-1``, ``vla-2``, ``vla-4`` -- ``trainer.buffer_type=vla`` with 1, 2 and 4 actor processes:
+   actors never wait for the learner.
+3. ``thread`` -- the seed framework's own asynchronous design rebuilt in ONE process (this one): a
+   background collection thread and the training thread share ONE policy object under a
+   ``threading.Lock``. The collector (the real :class:`actors.rollout.Collector`) acts through a
+   wrapper that holds the lock for every policy call and sleeps the latency inside the lock (the
+   model is busy while it infers, as on a shared GPU); the training thread takes the lock for each
+   PPO update of the real :class:`learner.learner.Learner` (vla buffer, same overrides).
+
+Variants 1-2 run the real ``launch/run_local.sh`` (learner, evaluator and actor processes), started
+in its own session and stopped in bounded time (SIGTERM to its process group, SIGKILL after
+``STOP_TIMEOUT_S``), also on failure or Ctrl-C. Nothing the script starts outlives it.
+
+Every variant gets the same overrides, so they train on the same amount of data with the same
+number of samples per update: ``trainer.total_steps``, ``actors.num_envs``, ``trainer.buffer_size``,
+``trainer.rollouts_per_update=1`` (one rollout per update whatever the number of actors),
+``trainer.buffer_capacity=8``, ``trainer.max_policy_lag``, ``trainer.eval_freq=0``,
+``trainer.save_freq=0``, ``algorithm.cfg.batch_size=256`` (or one update's samples if fewer) and
+``actors.inference_latency_s``. The config's ``n_epochs`` is kept. The final return is a
+deterministic evaluation of the final weights over ``trainer.num_eval_episodes`` episodes (the
+learner's evaluator process, or :func:`learner.evaluator.evaluate` with the evaluator's seed for the
+thread variant).
+
+Wall times:
+- ``wall s`` -- process variants: the launcher's end-to-end wall time (process start-up, the final
+  checkpoint, the final evaluation and shutdown included); thread: in-process, from the start of
+  the first collection to the end of training (every step received, the last update done).
+- ``learner s`` -- process variants: ``wall_s`` from the learner's ``summary.json`` (from the
+  learner's construction: it includes waiting for the actors' start-up and the final evaluation).
+- ``window s`` -- every variant: from the first rollout the learner received to its last update;
+  start-up-free and measured the same way everywhere, so the fairest comparison of the designs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:          # for `shared`, `actors`, `learner` in the thread variant
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_CONFIG = ROOT / "configs" / "cartpole_ppo.json"
+LAUNCHER = ROOT / "launch" / "run_local.sh"
+STOP_TIMEOUT_S = 15.0                  # SIGTERM -> SIGKILL grace; the launcher itself needs up to ~10 s
+TARGET_VS_STANDARD = 3.0               # vla-4 / standard-1 should be at least this
+TARGET_VS_THREAD = 1.0                 # vla-4 / thread should be above this
+
+VARIANTS = {                           # name -> (label, buffer_type, actors, kind)
+    "standard1": ("standard-1", "standard", 1, "process"),
+    "vla1": ("vla-1", "vla", 1, "process"),
+    "vla2": ("vla-2", "vla", 2, "process"),
+    "vla4": ("vla-4", "vla", 4, "process"),
+    "thread": ("thread", "vla", 1, "thread"),
+}
+
+
+class BenchmarkError(RuntimeError):
+    """A variant could not be measured; the message says which and why."""
+
+
+@dataclass
+class Result:
+    name: str
+    label: str
+    kind: str                          # "process" (run_local.sh) or "thread" (in this process)
+    buffer_type: str
+    actors: int
+    wall_s: float | None = None        # launcher end-to-end (process) or first collect -> end (thread)
+    learner_wall_s: float | None = None
+    window_s: float | None = None      # first rollout received -> last update
+    startup_s: float | None = None     # start -> first rollout received (includes one collection)
+    env_steps: int | None = None
+    updates: int | None = None
+    lag_mean: float | None = None
+    lag_max: int | None = None
+    dropped_lag: int | None = None
+    overwritten: int | None = None
+    update_s_mean: float | None = None
+    eval_return: float | None = None
+    speedup: float | None = None       # standard-1 wall / this wall
+    speedup_window: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ================================================================== overrides
+
+def variant_overrides(args, buffer_type: str, actors: int) -> list[str]:
+    """The --set overrides of one variant: the user's, then the benchmark's (which win)."""
+    samples = args.num_envs * args.buffer_size
+    return list(args.sets) + [
+        f"trainer.buffer_type={buffer_type}",
+        f"actors.num_actors={actors}",
+        f"trainer.total_steps={args.steps}",
+        f"actors.num_envs={args.num_envs}",
+        f"trainer.buffer_size={args.buffer_size}",
+        "trainer.rollouts_per_update=1",
+        "trainer.buffer_capacity=8",
+        f"trainer.max_policy_lag={args.max_lag}",
+        "trainer.eval_freq=0",
+        "trainer.save_freq=0",
+        f"algorithm.cfg.batch_size={min(256, samples)}",
+        f"actors.inference_latency_s={args.latency}",
+    ]
+
+
+# ================================================================== process variants
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env["TANDEM_PYTHON"] = sys.executable
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_launcher(p: subprocess.Popen) -> list[str]:
+    """Stop the launcher's whole process group (the launcher, learner, evaluator, actors, tee):
+    SIGTERM, wait up to STOP_TIMEOUT_S, then SIGKILL. Returns notes on what had to be stopped."""
+    notes = []
+    pgid = p.pid                       # started with start_new_session: its pid is the group id
+    if p.poll() is None:
+        notes.append("launcher still running: sent SIGTERM")
+        _signal_group(pgid, signal.SIGTERM)
+    elif _group_alive(pgid):
+        notes.append("processes outlived the launcher: sent SIGTERM")
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    try:
+        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_alive(pgid) or p.poll() is None:
+        notes.append(f"still running after {STOP_TIMEOUT_S:.0f} s: sent SIGKILL")
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            notes.append("launcher did not exit after SIGKILL")
+    return notes
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass                       # a run killed mid-line leaves at most one partial line
+    return rows
+
+
+def run_process_variant(name: str, args, run_dir: Path) -> Result:
+    label, buffer_type, actors, kind = VARIANTS[name]
+    res = Result(name, label, kind, buffer_type, actors)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sets = [x for o in variant_overrides(args, buffer_type, actors) for x in ("--set", o)]
+    cmd = ["bash", str(LAUNCHER), "--config", str(args.config), "--actors", str(actors), "--out", str(run_dir),
+           *sets]
+    log_path = run_dir / "launcher.log"
+    t_start_wall = time.time()
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            code = p.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchmarkError(f"{label}: not finished within --timeout {args.timeout:.0f} s; the launcher's "
+                                 f"log ends:\n{_tail(log_path)}") from None
+        res.wall_s = time.monotonic() - t0
+        if code != 0:
+            raise BenchmarkError(f"{label}: run_local.sh exited with code {code}; its log ends:\n{_tail(log_path)}")
+    finally:
+        notes = _stop_launcher(p)
+        if notes:
+            res.extra["stop_notes"] = notes
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BenchmarkError(f"{label}: no readable summary.json in {run_dir}: {e}") from None
+    res.learner_wall_s = summary.get("wall_s")
+    res.env_steps = summary.get("env_steps")
+    res.updates = summary.get("updates")
+    res.dropped_lag = summary.get("dropped_lag")
+    res.overwritten = summary.get("overwritten")
+    res.eval_return = summary.get("last_eval/return_mean")
+    versions = _read_jsonl(run_dir / "versions.jsonl")
+    lags = [v["lag"] for v in versions if v.get("event") == "consume" and isinstance(v.get("lag"), int)]
+    if lags:
+        res.lag_mean, res.lag_max = sum(lags) / len(lags), max(lags)
+    publishes = [v["time"] for v in versions if v.get("event") == "publish" and v.get("version", 0) > 0]
+    first = summary.get("first_rollout_time")
+    if first is not None:
+        res.startup_s = first - t_start_wall
+        if publishes:
+            res.window_s = max(publishes) - first
+    updates = [m for m in _read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in m]
+    if updates:
+        res.update_s_mean = sum(m["perf/update_s"] for m in updates) / len(updates)
+        res.extra["learner_wait_s"] = sum(m.get("perf/learner_wait_s", 0.0) for m in updates)
+    if args.keep_runs:
+        res.extra["run_dir"] = str(run_dir)
+    return res
+
+
+# ================================================================== thread variant
+
+def run_thread_variant(args) -> Result:
+    """The seed framework's design in this process: one collector thread and the training thread
+    share one policy object under a lock (see the module docstring)."""
+    import torch
+    from torch import nn
+
+    from actors.rollout import Collector
+    from learner.evaluator import evaluate
+    from learner.learner import Learner, ListPublisher
+    from shared.config import load_config
+    from shared.envs import make_env
+
+    label, buffer_type, actors, kind = VARIANTS["thread"]
+    res = Result("thread", label, kind, buffer_type, actors)
+    cfg = load_config(args.config, variant_overrides(args, buffer_type, actors))
+    torch.set_num_threads(cfg.learner.torch_threads)   # as the learner and actor processes do
+    lock = threading.Lock()
+    latency = cfg.actors.inference_latency_s
+
+    class LockedPolicy(nn.Module):
+        """The one shared policy, as the collector sees it: every call holds the lock, and the
+        acting call sleeps the inference latency inside it (the model is busy while it infers)."""
+
+        def __init__(self, policy: nn.Module):
+            super().__init__()
+            self.policy = policy       # a submodule: parameters() (the Collector's device) are the policy's
+
+        @property
+        def critic(self):              # the Collector's with_value check
+            return self.policy.critic
+
+        def forward(self, td, deterministic: bool = False):
+            with lock:
+                out = self.policy(td, deterministic=deterministic)
+                if latency:
+                    time.sleep(latency)
+                return out
+
+        def get_value(self, td):
+            with lock:
+                return self.policy.get_value(td)
+
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    seed = cfg.trainer.seed * 100_003           # actor 0's seed, as actors.actor.Actor seeds itself
+    torch.manual_seed(seed)
+    env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, cfg.learner.device)
+    collector = Collector(env, LockedPolicy(learner.policy), cfg.trainer.buffer_size, seed=seed,
+                          inference_latency_s=0.0)   # the wrapper sleeps, under the lock
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    times: dict[str, float] = {}
+
+    def collect_loop() -> None:
+        seq = 0
+        try:
+            while not stop.is_set() and not learner.finished:
+                with lock:             # the version of the weights the rollout starts with
+                    version = learner.version
+                times.setdefault("first_collect", time.perf_counter())
+                rollout, stats, _ = collector.collect(version)
+                learner.ingest(rollout.clone(), {"kind": "rollout", "actor": 0, "seq": seq,
+                                                 "episode_returns": stats.episode_returns,
+                                                 "episode_lengths": stats.episode_lengths})
+                times.setdefault("first_ingest", time.perf_counter())
+                seq += 1
+        except BaseException as e:     # reported by the training thread
+            errors.append(e)
+            stop.set()
+
+    thread = threading.Thread(target=collect_loop, name="collector", daemon=True)
+    lags: list[int] = []
+    update_s: list[float] = []
+    last_update = None
+    join_s = 2 * cfg.trainer.buffer_size * (latency + 0.05) + 30.0   # one rollout in progress, then it stops
+    thread.start()
+    try:
+        deadline = time.monotonic() + args.timeout
+        while not stop.is_set() and not learner.finished:
+            if time.monotonic() > deadline:
+                raise BenchmarkError(f"{label}: not finished within --timeout {args.timeout:.0f} s "
+                                     f"({learner.env_steps} of {cfg.trainer.total_steps} env steps)")
+            batch = learner.take_batch(timeout_s=0.05)
+            if batch is None:
+                continue
+            data, infos = batch
+            with lock:
+                lags += [learner.version - int(i["policy_version"]) for i in infos]
+                t = time.perf_counter()
+                learner.update_once(data, infos)
+                last_update = time.perf_counter()
+                update_s.append(last_update - t)
+        end = time.perf_counter()
+    finally:
+        learner.accepting = False      # as the learner process: later rollouts are not counted
+        stop.set()
+        thread.join(timeout=join_s)
+        env.close()
+    if thread.is_alive():
+        raise BenchmarkError(f"{label}: the collector thread did not stop within {join_s:.0f} s")
+    if errors:
+        raise BenchmarkError(f"{label}: the collector thread failed: {type(errors[0]).__name__}: {errors[0]}")
+    res.wall_s = end - times["first_collect"]
+    if last_update is not None:
+        res.window_s = last_update - times["first_ingest"]
+    res.env_steps = learner.env_steps
+    res.updates = learner.updates
+    res.dropped_lag = learner.counts["dropped_lag"]
+    res.overwritten = learner.counts["overwritten"]
+    if lags:
+        res.lag_mean, res.lag_max = sum(lags) / len(lags), max(lags)
+    if update_s:
+        res.update_s_mean = sum(update_s) / len(update_s)
+    # The evaluator process's first evaluation uses this seed (trainer.seed + 1_000_003 + count, count 0).
+    learner.policy.eval()
+    eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
+    try:
+        returns, _ = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes,
+                              seed=cfg.trainer.seed + 1_000_003)
+    finally:
+        eval_env.close()
+    res.eval_return = sum(returns) / len(returns) if returns else None
+    return res
+
+
+# ================================================================== report
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def fmt_table(results: list[Result]) -> str:
+    head = ("variant", "actors", "wall s", "learner s", "window s", "speed-up", "speed-up (window)",
+            "updates", "s/update", "mean lag", "dropped", "eval return")
+    rows = []
+    for r in results:
+        if r.error:
+            rows.append((r.label, str(r.actors), "FAILED", *["-"] * (len(head) - 3)))
+            continue
+        dropped = "-" if r.dropped_lag is None else f"{r.dropped_lag}+{r.overwritten}"
+        rows.append((r.label, str(r.actors), _f(r.wall_s, ".1f") + ("*" if r.kind == "process" else ""),
+                     _f(r.learner_wall_s, ".1f"), _f(r.window_s, ".1f"), _f(r.speedup, ".2f") + ("x" * (r.speedup is not None)),
+                     _f(r.speedup_window, ".2f") + ("x" * (r.speedup_window is not None)),
+                     _f(r.updates, "d"), _f(r.update_s_mean, ".3f"), _f(r.lag_mean, ".2f"), dropped, _f(r.eval_return, ".1f")))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+FOOTNOTE = """\
+* wall s of a process variant is run_local.sh end to end: python and torch start-up of the learner,
+  evaluator and actor processes, the final checkpoint, the final evaluation and shutdown included.
+  thread: in-process, from the first collection to the end of training (no start-up at all).
+  learner s: the learner's own wall_s (summary.json), from its start; includes waiting for the actors.
+  window s: first rollout received -> last update, the same clock for every variant (no start-up).
+  speed-up: standard-1's time / the variant's, on wall s and on window s.
+  s/update: mean seconds per PPO update (the learner's perf/update_s; thread: inside the lock).
+  mean lag: learner version at the update - version the rollout was acted with, over trained rollouts.
+  dropped: rollouts dropped for lag + overwritten in the buffer before they were trained on."""
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _raise_on_signal(signum, frame):
+    # Unwind through the finally: blocks, which stop every child; a second Ctrl-C must not cut
+    # that clean-up short (it is bounded: STOP_TIMEOUT_S plus a few seconds).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/async_speedup.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                   help="JSON config file (default: configs/cartpole_ppo.json)")
+    p.add_argument("--latency", type=float, default=0.2,
+                   help="seconds added to every acting policy call (actors.inference_latency_s; default 0.2)")
+    p.add_argument("--steps", type=int, default=16384, help="env steps to train on, every variant (default 16384)")
+    p.add_argument("--num-envs", type=int, default=64,
+                   help="envs per actor: one batched policy call serves them all (default 64)")
+    p.add_argument("--buffer-size", type=int, default=8, help="steps per env per rollout (default 8)")
+    p.add_argument("--max-lag", type=int, default=8, help="trainer.max_policy_lag (default 8)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a variant is abandoned (default 900)")
+    p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    p.add_argument("--keep-runs", type=Path, metavar="DIR",
+                   help="keep the run directories of the process variants under DIR (default: a temporary "
+                        "dir, deleted)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every variant, applied before the benchmark's own (repeatable)")
+    args = p.parse_args(argv)
+    if args.latency < 0 or args.steps < 1 or args.num_envs < 1 or args.buffer_size < 1 or args.max_lag < 0:
+        p.error("--latency and --max-lag must be >= 0; --steps, --num-envs and --buffer-size positive")
+    names = [x.strip() for x in args.variants.split(",") if x.strip()]
+    unknown = [x for x in names if x not in VARIANTS]
+    if not names or unknown:
+        p.error(f"--variants: unknown {unknown}; choose among {', '.join(VARIANTS)}")
+    names = [n for n in VARIANTS if n in names]        # the table's order
+    args.config = args.config.resolve()
+
+    from shared.config import ConfigError, load_config
+    try:   # check every variant's config here, so a typo fails in a second and names the key
+        cfgs = {n: load_config(args.config, variant_overrides(args, VARIANTS[n][1], VARIANTS[n][2])) for n in names}
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    cfg = cfgs[names[0]]
+    per_update = cfg.actors.num_envs * cfg.trainer.buffer_size
+    print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps, {cfg.actors.num_envs} envs x "
+          f"{cfg.trainer.buffer_size} steps per rollout ({per_update} samples, {math.ceil(args.steps / per_update)} "
+          f"rollouts), 1 rollout per update, {cfg.algorithm.cfg.n_epochs} epochs of minibatch "
+          f"{cfg.algorithm.cfg.batch_size}, inference latency {args.latency} s per acting call, max lag "
+          f"{args.max_lag} | {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}", flush=True)
+    if os.getloadavg()[0] > 1.0:
+        print("[async] note: the machine is not idle; other processes share the cores and skew the figures",
+              flush=True)
+
+    signal.signal(signal.SIGINT, _raise_on_signal)
+    signal.signal(signal.SIGTERM, _raise_on_signal)
+    tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-async-")
+    runs_root = args.keep_runs.resolve() if args.keep_runs else Path(tmp)
+    results: list[Result] = []
+    try:
+        for n in names:
+            label, buffer_type, actors, kind = VARIANTS[n]
+            print(f"[async] {label} ({buffer_type}, {actors} actor{'s' * (actors > 1)}"
+                  f"{', one process, shared policy under a lock' if kind == 'thread' else ''}) ...", flush=True)
+            t = time.monotonic()
+            try:
+                if kind == "thread":
+                    r = run_thread_variant(args)
+                else:
+                    r = run_process_variant(n, args, runs_root / n)
+            except BenchmarkError as e:
+                r = Result(n, label, kind, buffer_type, actors, error=str(e))
+                print(f"[async] {label} failed: {e}", file=sys.stderr, flush=True)
+            results.append(r)
+            if not r.error:
+                print(f"[async] {label}: wall {r.wall_s:.1f} s, window {_f(r.window_s, '.1f')} s, "
+                      f"{r.updates} updates, lag {_f(r.lag_mean, '.2f')}, eval {_f(r.eval_return, '.1f')} "
+                      f"(took {time.monotonic() - t:.0f} s)", flush=True)
+            for note in r.extra.get("stop_notes", []):
+                print(f"[async] {label}: {note}", flush=True)
+    except KeyboardInterrupt:
+        print("[async] interrupted: children stopped", file=sys.stderr)
+        return 130
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    by = {r.name: r for r in results if not r.error}
+    base = by.get("standard1")
+    for r in by.values():
+        if base is not None:
+            r.speedup = _ratio(base.wall_s, r.wall_s)
+            r.speedup_window = _ratio(base.window_s, r.window_s)
+    print()
+    print(fmt_table(results))
+    print(FOOTNOTE)
+
+    vla4, thread = by.get("vla4"), by.get("thread")
+    key = {}
+    print()
+    if vla4 is not None and base is not None:
+        key["vla4_over_standard1"] = _ratio(base.wall_s, vla4.wall_s)
+        key["vla4_over_standard1_window"] = _ratio(base.window_s, vla4.window_s)
+        verdict = "ok" if key["vla4_over_standard1"] >= TARGET_VS_STANDARD else "BELOW TARGET"
+        print(f"vla-4 / standard-1 speed-up = {key['vla4_over_standard1']:.2f}x on wall s (target >= "
+              f"{TARGET_VS_STANDARD:g}) {verdict}; {_f(key['vla4_over_standard1_window'], '.2f')}x on window s")
+    else:
+        print("vla-4 / standard-1 speed-up = n/a (needs standard1 and vla4)")
+    if vla4 is not None and thread is not None:
+        key["vla4_over_thread"] = _ratio(thread.wall_s, vla4.wall_s)
+        key["vla4_over_thread_window"] = _ratio(thread.window_s, vla4.window_s)
+        verdict = "ok" if key["vla4_over_thread"] > TARGET_VS_THREAD else "BELOW TARGET"
+        print(f"vla-4 vs thread speed-up    = {key['vla4_over_thread']:.2f}x on wall s (target > "
+              f"{TARGET_VS_THREAD:g}; vla-4's wall includes process start-up, thread's none) {verdict}; "
+              f"{_f(key['vla4_over_thread_window'], '.2f')}x on window s")
+    else:
+        print("vla-4 vs thread speed-up = n/a (needs vla4 and thread)")
+    print("final deterministic eval return: " + " | ".join(f"{r.label} {_f(r.eval_return, '.1f')}" for r in results))
+
+    if args.json:
+        doc = {"config": str(args.config), "env": cfg.env.id, "latency_s": args.latency, "steps": args.steps,
+               "num_envs": args.num_envs, "buffer_size": args.buffer_size, "max_policy_lag": args.max_lag,
+               "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
+               "overrides": {n: variant_overrides(args, VARIANTS[n][1], VARIANTS[n][2]) for n in names},
+               "results": [asdict(r) for r in results],
+               "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                           "python": platform.python_version(), "load_average_at_end": os.getloadavg()[0]},
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"[async] results written to {args.json}")
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
