@@ -101,6 +101,7 @@ class Actor:
         frames = wire.encode(rollout, kind="rollout", actor=self.actor_id, seq=self.seq,
                              policy_version=self.version, env_steps=rollout.numel(),
                              episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
+                             episode_successes=stats.episode_successes,
                              collect_s=stats.collect_s, inference_s=stats.inference_s, env_s=stats.env_s,
                              time=time.time())
         deadline = time.monotonic() + self.learner_timeout_s

@@ -140,12 +140,22 @@ def _child_env() -> dict:
     return env
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+def _group_members(pgid: int) -> list[str]:
+    """The live (not zombie) processes of process group `pgid`, as "pid command" strings."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()     # state ppid pgrp ...
+            if int(fields[2]) != pgid or fields[0] == "Z":
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue                   # it exited while we looked
+        out.append(f"{d.name} {cmd[:120]}")
+    return out
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -155,31 +165,42 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _stop_launcher(p: subprocess.Popen) -> list[str]:
-    """Stop the launcher's whole process group (the launcher, learner, evaluator, actors, tee):
-    SIGTERM, wait up to STOP_TIMEOUT_S, then SIGKILL. Returns notes on what had to be stopped."""
+    """Make sure nothing of the launcher's process group (the launcher, learner, evaluator, actors,
+    its tee processes) is left running: after a normal exit, give stragglers 2 s to leave on their
+    own; otherwise SIGTERM the group (the launcher stops its children in ~10 s), wait up to
+    STOP_TIMEOUT_S, then SIGKILL. Returns notes on whatever had to be stopped."""
     notes = []
     pgid = p.pid                       # started with start_new_session: its pid is the group id
-    if p.poll() is None:
-        notes.append("launcher still running: sent SIGTERM")
-        _signal_group(pgid, signal.SIGTERM)
-    elif _group_alive(pgid):
-        notes.append("processes outlived the launcher: sent SIGTERM")
-        _signal_group(pgid, signal.SIGTERM)
+    if p.poll() is not None and _wait_group_gone(pgid, 2.0):
+        return notes
+    left = _group_members(pgid)
+    notes.append(("launcher still running" if p.poll() is None else "processes outlived the launcher")
+                 + f": SIGTERM to {len(left)} process(es): " + "; ".join(left))
+    _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     try:
-        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        p.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pass
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _group_alive(pgid) or p.poll() is None:
-        notes.append(f"still running after {STOP_TIMEOUT_S:.0f} s: sent SIGKILL")
+    if not _wait_group_gone(pgid, max(0.0, deadline - time.monotonic())) or p.poll() is None:
+        notes.append(f"still running after {STOP_TIMEOUT_S:.0f} s: SIGKILL to " + "; ".join(_group_members(pgid)))
         _signal_group(pgid, signal.SIGKILL)
         try:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            notes.append("launcher did not exit after SIGKILL")
+            notes.append("the launcher did not exit after SIGKILL")
+        if not _wait_group_gone(pgid, 5.0):
+            notes.append("still present after SIGKILL: " + "; ".join(_group_members(pgid)))
     return notes
 
 
@@ -227,7 +248,9 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
         if code != 0:
             raise BenchmarkError(f"{label}: run_local.sh exited with code {code}; its log ends:\n{_tail(log_path)}")
     finally:
-        notes = _stop_launcher(p)
+        notes = _stop_launcher(p)     # bounded; also on failure and Ctrl-C
+        for note in notes:
+            print(f"[async] {label}: {note}", flush=True)
         if notes:
             res.extra["stop_notes"] = notes
     try:
@@ -377,8 +400,9 @@ def run_thread_variant(args) -> Result:
     learner.policy.eval()
     eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
     try:
-        returns, _ = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes,
-                              seed=cfg.trainer.seed + 1_000_003)
+        # evaluate returns (returns, lengths[, successes]): only the first is used here
+        returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes,
+                           seed=cfg.trainer.seed + 1_000_003)[0]
     finally:
         eval_env.close()
     res.eval_return = sum(returns) / len(returns) if returns else None
@@ -507,8 +531,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[async] {label}: wall {r.wall_s:.1f} s, window {_f(r.window_s, '.1f')} s, "
                       f"{r.updates} updates, lag {_f(r.lag_mean, '.2f')}, eval {_f(r.eval_return, '.1f')} "
                       f"(took {time.monotonic() - t:.0f} s)", flush=True)
-            for note in r.extra.get("stop_notes", []):
-                print(f"[async] {label}: {note}", flush=True)
     except KeyboardInterrupt:
         print("[async] interrupted: children stopped", file=sys.stderr)
         return 130
@@ -525,6 +547,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(fmt_table(results))
     print(FOOTNOTE)
+    parts = [r for r in results if not r.error and r.kind == "process" and r.startup_s is not None
+             and r.window_s is not None]
+    if parts:
+        print("\nwhere the wall time of the process variants goes (s): start-up = launcher start -> first rollout "
+              "received\n(one collection included); window; end = last update -> launcher exit (final checkpoint, "
+              "final evaluation, shutdown)")
+        for r in parts:
+            print(f"  {r.label:<10}  start-up {r.startup_s:5.1f}  window {r.window_s:5.1f}  "
+                  f"end {r.wall_s - r.startup_s - r.window_s:5.1f}  = wall {r.wall_s:5.1f}")
 
     vla4, thread = by.get("vla4"), by.get("thread")
     key = {}

@@ -23,12 +23,15 @@ from shared.transport import RolloutPusher, WeightsSubscriber
 
 
 @torch.inference_mode()
-def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int) -> tuple[list[float], list[int]]:
-    """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy."""
+def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
+             ) -> tuple[list[float], list[int], list[bool]]:
+    """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy.
+    Returns episode returns, lengths and (for tasks that define it) successes."""
     obs = env.reset(seed=seed)
     n = env.num_envs
     returns: list[float | None] = [None] * n
     lengths: list[int | None] = [None] * n
+    successes: list[bool | None] = [None] * n
     ep_ret = torch.zeros(n, dtype=torch.float64)
     ep_len = torch.zeros(n, dtype=torch.int64)
     limit = env.spec.max_episode_steps or 100_000
@@ -38,15 +41,18 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int) -> tupl
         ep_ret += step.reward.double().cpu()
         ep_len += 1
         done = (step.terminated | step.truncated).cpu()
-        for i in torch.nonzero(done).flatten().tolist():
+        for j, i in enumerate(torch.nonzero(done).flatten().tolist()):
             if returns[i] is None:
                 returns[i], lengths[i] = float(ep_ret[i]), int(ep_len[i])
+                if j < len(step.episode_successes):
+                    successes[i] = bool(step.episode_successes[j])
         ep_ret[done] = 0.0
         ep_len[done] = 0
         obs = step.obs
         if all(r is not None for r in returns):
             break
-    return [r for r in returns if r is not None][:num_episodes], [n for n in lengths if n is not None][:num_episodes]
+    return ([r for r in returns if r is not None][:num_episodes], [n for n in lengths if n is not None][:num_episodes],
+            [x for x in successes if x is not None][:num_episodes])
 
 
 def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int) -> None:
@@ -85,12 +91,13 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 continue
             load_weights_(policy, td)
             t0 = time.perf_counter()
-            returns, lengths = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
+            returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
             last = dict(kind="eval", sender="evaluator", version=meta.get("version"), env_steps=steps,
-                        returns=returns, lengths=lengths, final=final, eval_s=time.perf_counter() - t0)
+                        returns=returns, lengths=lengths, successes=successes, final=final,
+                        eval_s=time.perf_counter() - t0)
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
     finally:
         env.close()

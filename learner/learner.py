@@ -74,8 +74,11 @@ def _checked_eval(meta: dict) -> dict:
     if not ok:
         raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: needs returns (numbers), "
                               f"lengths (ints) of the same length, version and env_steps (ints)")
-    return {"returns": [float(r) for r in returns], "lengths": lengths, "version": meta["version"],
-            "env_steps": meta["env_steps"], "final": bool(meta.get("final"))}
+    successes = meta.get("successes") or []
+    if not (isinstance(successes, list) and all(isinstance(x, bool) for x in successes)):
+        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: successes must be booleans")
+    return {"returns": [float(r) for r in returns], "lengths": lengths, "successes": successes,
+            "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final"))}
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
@@ -148,6 +151,7 @@ class Learner:
         self._known_senders: set[int] = set()
         self._refused_senders: dict[int, str] = {}
         self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
+        self._successes: deque[bool] = deque(maxlen=100)
         self._lags_since_log: list[torch.Tensor] = []
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
@@ -226,6 +230,9 @@ class Learner:
             if self.first_rollout_time is None:
                 self.first_rollout_time = now
             self.last_rollout_time = now
+            successes = meta.get("episode_successes") or []
+            if isinstance(successes, list):
+                self._successes.extend(x for x in successes if isinstance(x, bool))
             if isinstance(returns, list) and isinstance(lengths, list):
                 for r, n in zip(returns, lengths):
                     if isinstance(r, (int, float)) and _is_int(n) and math.isfinite(r):
@@ -365,6 +372,10 @@ class Learner:
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
         values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None
         values["train/updates"] = self.updates
+        with self._lock:
+            successes = list(self._successes)
+        if successes:
+            values["train/success_rate"] = sum(successes) / len(successes)
         lagf = lags.float()
         values.update({"lag/mean": float(lagf.mean()), "lag/max": float(lagf.max()), "lag/min": float(lagf.min())})
         values.update({"perf/sps": env_steps / max(elapsed, 1e-9), "perf/update_s": update_s,
@@ -388,8 +399,10 @@ class Learner:
             return
         mean = sum(returns) / len(returns)
         std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
+        successes = meta.get("successes") or []
         self.last_eval = {"eval/return_mean": mean, "eval/return_std": std,
                           "eval/length_mean": sum(lengths) / max(len(lengths), 1),
+                          **({"eval/success_rate": sum(successes) / len(successes)} if successes else {}),
                           "env_steps": int(meta.get("env_steps", self.env_steps)),
                           "version": int(meta.get("version", -1)), "time": time.time()}
         if self.logger is not None:
@@ -404,8 +417,11 @@ class Learner:
             env_steps = self.env_steps
         elapsed = time.time() - self.start_time
         ret = f"{sum(r for r, _ in episodes) / len(episodes):.1f}" if episodes else "-"
-        ev = (f"{self.last_eval['eval/return_mean']:.1f} @ {fmt_num(self.last_eval['env_steps'])}"
-              if self.last_eval else "-")
+        ev = "-"
+        if self.last_eval:
+            rate = self.last_eval.get("eval/success_rate")
+            ev = (f"{self.last_eval['eval/return_mean']:.1f}" + (f" ({100 * rate:.0f}% success)" if rate is not None
+                                                                 else "") + f" @ {fmt_num(self.last_eval['env_steps'])}")
         lag = getattr(self, "last_update_values", {}).get("lag/mean")
         return (f"[learner] {elapsed:6.1f}s | steps {fmt_num(env_steps)}/{fmt_num(self.cfg.trainer.total_steps)} | "
                 f"{env_steps / max(elapsed, 1e-9):6.0f} sps | v{self.version} | return {ret} | eval {ev} | "

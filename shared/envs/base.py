@@ -66,6 +66,7 @@ class StepResult(NamedTuple):
     final_obs: torch.Tensor          # [N, *obs] true last observation where done, else == obs
     episode_returns: list[float]     # episodes that ended on this step (undiscounted, raw reward)
     episode_lengths: list[int]
+    episode_successes: list[bool] | tuple = ()   # for tasks that define success, per ended episode
 
 
 @runtime_checkable

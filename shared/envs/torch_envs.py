@@ -92,7 +92,12 @@ class TorchPendulum:
         pass
 
 
-_REGISTRY = {"Pendulum-v0": TorchPendulum}
+def _reach(**kwargs):
+    from shared.envs.reach import Reach
+    return Reach(**kwargs)
+
+
+_REGISTRY = {"Pendulum-v0": TorchPendulum, "Reach-v0": _reach}
 
 
 def make_torch_env(name: str, num_envs: int, kwargs: dict, device: str | torch.device):

@@ -17,10 +17,13 @@ class TinyVLA(nn.Module):
     def __init__(self, image_size: int = 16, vocab_size: int = 32, proprio_dim: int = 4, action_dim: int = 2,
                  hidden: int = 64, log_std_init: float = -0.5):
         super().__init__()
+        # Two stride-2 convolutions, then flatten: keeping the spatial map (no global pooling)
+        # is what lets the model tell where the named target is.
+        side = (image_size + 3) // 4
         self.vision = nn.Sequential(
             nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Flatten(), nn.Linear(16 * side * side, 32), nn.ReLU())
         self.language = nn.Embedding(vocab_size, 32)
         self.proprio = nn.Sequential(nn.Linear(proprio_dim, 32), nn.ReLU())
         self.trunk = nn.Sequential(nn.Linear(32 * 3, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())

@@ -1,0 +1,134 @@
+"""``tandem/Reach-v0``: an image-based reaching task whose goal is named by an instruction.
+
+A batched, torch-native simulator (runs on the actor's device, CPU or CUDA). Three coloured
+targets lie at random places in a 2-D arena, drawn into a small RGB image; the instruction
+("reach red", as token ids) names one of them; the agent's own position is only in the
+proprioceptive vector (it is not drawn). Solving it needs all three inputs.
+
+Observation (a TensorDict): ``rgb`` uint8 ``[S, S, 3]``, ``proprio`` float32 ``[4]`` (position and
+last action), ``instruction`` int64 ``[4]``. Action: a 2-D velocity in ``[-1, 1]``. Reward: the
+progress towards the named target (in step lengths), +5 on reaching it (within ``success_radius``),
+which ends the episode (terminated); ``max_episode_steps`` truncates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.envs.base import ActionSpec, EnvSpec, StepResult
+
+COLORS = torch.tensor([[255, 40, 40], [40, 255, 40], [60, 60, 255]], dtype=torch.uint8)   # red, green, blue
+TOKENS = {"<pad>": 0, "reach": 1, "red": 2, "green": 3, "blue": 4}
+VOCAB_SIZE = 8
+INSTRUCTION_LEN = 4
+
+
+class Reach:
+    num_targets = 3
+
+    def __init__(self, num_envs: int, device: str | torch.device = "cpu", image_size: int = 16,
+                 max_episode_steps: int = 30, step_size: float = 0.15, success_radius: float = 0.15):
+        self.num_envs, self.device = num_envs, torch.device(device)
+        self.image_size, self.max_episode_steps = image_size, max_episode_steps
+        self.step_size, self.success_radius = step_size, success_radius
+        self.spec = EnvSpec(
+            obs_shape=(), obs_dtype=torch.float32,
+            action=ActionSpec(kind="box", shape=(2,), low=(-1.0, -1.0), high=(1.0, 1.0)),
+            max_episode_steps=max_episode_steps,
+            obs_keys={"rgb": ((image_size, image_size, 3), torch.uint8), "proprio": ((4,), torch.float32),
+                      "instruction": ((INSTRUCTION_LEN,), torch.int64)})
+        n, d = num_envs, self.device
+        self._gen = torch.Generator(device=d)
+        self.targets = torch.zeros(n, self.num_targets, 2, device=d)
+        self.goal = torch.zeros(n, dtype=torch.int64, device=d)
+        self.pos = torch.zeros(n, 2, device=d)
+        self.last_action = torch.zeros(n, 2, device=d)
+        self.t = torch.zeros(n, dtype=torch.int64, device=d)
+        self.ep_return = torch.zeros(n, dtype=torch.float64, device=d)
+        self._colors = COLORS.to(d)
+
+    # ------------------------------------------------------------------ state
+    def _sample(self, idx: torch.Tensor, gen: torch.Generator) -> None:
+        k = idx.numel()
+        d = self.device
+        # targets on a coarse grid so they never overlap in the image
+        cells = torch.stack([torch.randperm(9, generator=gen, device=d)[:self.num_targets] for _ in range(k)])
+        xy = torch.stack([cells % 3, cells // 3], -1).float() * (2 / 3) - (2 / 3)
+        self.targets[idx] = xy + (torch.rand(k, self.num_targets, 2, generator=gen, device=d) - 0.5) * 0.3
+        self.goal[idx] = torch.randint(0, self.num_targets, (k,), generator=gen, device=d)
+        self.pos[idx] = (torch.rand(k, 2, generator=gen, device=d) * 2 - 1) * 0.9
+        self.last_action[idx] = 0.0
+        self.t[idx] = 0
+        self.ep_return[idx] = 0.0
+
+    def _obs(self):
+        from tensordict import TensorDict
+        n, s = self.num_envs, self.image_size
+        img = torch.zeros(n, s, s, 3, dtype=torch.uint8, device=self.device)
+        pix = ((self.targets + 1) / 2 * (s - 2)).long().clamp(0, s - 2)          # [n, K, 2] top-left of a 2x2 blob
+        rows = torch.arange(n, device=self.device)[:, None]
+        for dy in (0, 1):
+            for dx in (0, 1):
+                for k in range(self.num_targets):
+                    img[rows[:, 0], pix[:, k, 1] + dy, pix[:, k, 0] + dx] = self._colors[k]
+        instr = torch.zeros(n, INSTRUCTION_LEN, dtype=torch.int64, device=self.device)
+        instr[:, 0] = TOKENS["reach"]
+        instr[:, 1] = self.goal + TOKENS["red"]
+        proprio = torch.cat([self.pos, self.last_action], -1)
+        return TensorDict({"rgb": img, "proprio": proprio, "instruction": instr}, batch_size=[n], device=self.device)
+
+    def goal_position(self) -> torch.Tensor:
+        return self.targets[torch.arange(self.num_envs, device=self.device), self.goal]
+
+    def expert_action(self) -> torch.Tensor:
+        """The scripted expert: head straight for the named target."""
+        return ((self.goal_position() - self.pos) / self.step_size).clamp(-1, 1)
+
+    # ------------------------------------------------------------------ protocol
+    def reset(self, seed: int | list[int] | None = None):
+        all_idx = torch.arange(self.num_envs, device=self.device)
+        if isinstance(seed, list):
+            for s in sorted(set(seed)):  # envs given the same seed start from the same state
+                idx = torch.tensor([i for i, x in enumerate(seed) if x == s], device=self.device)
+                g = torch.Generator(device=self.device).manual_seed(s)
+                self._sample(idx[:1], g)
+                for name in ("targets", "goal", "pos"):
+                    t = getattr(self, name)
+                    t[idx] = t[idx[:1]]
+                self.last_action[idx], self.t[idx], self.ep_return[idx] = 0.0, 0, 0.0
+            return self._obs()
+        if seed is not None:
+            self._gen.manual_seed(seed)
+        self._sample(all_idx, self._gen)
+        return self._obs()
+
+    def step(self, action: torch.Tensor) -> StepResult:
+        a = action.to(self.device, torch.float32).reshape(self.num_envs, 2).clamp(-1, 1)
+        self.pos_before = self.pos
+        self.pos = (self.pos + self.step_size * a).clamp(-1, 1)
+        self.last_action = a
+        self.t += 1
+        prev = (self.goal_position() - self.pos_before).norm(dim=-1)
+        dist = (self.goal_position() - self.pos).norm(dim=-1)
+        success = dist < self.success_radius
+        # progress towards the named target (in step lengths, within [-1, 1]) and a success bonus
+        reward = (prev - dist) / self.step_size + 5.0 * success.float()
+        self.ep_return += reward.double()
+        terminated = success
+        truncated = (self.t >= self.max_episode_steps) & ~terminated
+        done = terminated | truncated
+        final_obs = self._obs()
+        returns, lengths, successes = [], [], []
+        if bool(done.any()):
+            idx = done.nonzero().squeeze(-1)
+            returns, lengths = self.ep_return[idx].tolist(), self.t[idx].tolist()
+            successes = success[idx].tolist()
+            self._sample(idx, self._gen)
+            obs = self._obs()
+        else:
+            obs = final_obs
+        return StepResult(obs=obs, reward=reward, terminated=terminated, truncated=truncated, final_obs=final_obs,
+                          episode_returns=returns, episode_lengths=lengths, episode_successes=successes)
+
+    def close(self) -> None:
+        pass
