@@ -65,6 +65,7 @@ class Actor:
         self.rollouts_since_sync = 0
         self.failed = False   # set when the actor gives up on an unreachable learner
         self._last_acted = -1
+        self._stash: tuple[TensorDictBase, dict] | None = None   # newest weights seen mid-rollout
 
     # ------------------------------------------------------------------ weights
     def _apply(self, msg: tuple[TensorDictBase, dict] | None) -> bool:
@@ -132,6 +133,18 @@ class Actor:
                  for g in range(groups)]
         return [seeds[i // gs] for i in range(groups * gs)]
 
+    def _between_steps(self) -> bool:
+        """Asked between env steps: True to abandon the rollout (stop signal or stop message).
+        Weights that arrive mid-rollout are kept for the next rollout boundary, never loaded here."""
+        if self.stop_event.is_set():
+            return True
+        msg = self.weights.newest(0)
+        if msg is not None:
+            if msg[1].get("kind") == "stop":
+                return not self._apply(msg)
+            self._stash = msg
+        return False
+
     def _wait_storage_free(self, index: int) -> None:
         tracker = self._trackers[index]
         while tracker is not None and not tracker.done and not self.stop_event.is_set():
@@ -151,11 +164,16 @@ class Actor:
         if self.version <= newer_than and not self._wait_for_version(newer_than):
             return False
         if self.rollouts_since_sync >= self.cfg.actors.sync_every:
-            if not self._apply(self.weights.newest(0)):
+            msg = self.weights.newest(0) or self._stash   # anything still queued is newer than the stash
+            self._stash = None
+            if not self._apply(msg):
                 return False
             self.rollouts_since_sync = 0
         self._wait_storage_free(self.collector.next_index)
-        rollout, stats, index = self.collector.collect(self.version, reset_seeds=self._group_seeds())
+        out = self.collector.collect(self.version, reset_seeds=self._group_seeds(), should_stop=self._between_steps)
+        if out is None:
+            return False
+        rollout, stats, index = out
         self._last_acted = self.version
         if not self._send(rollout, stats, index):
             return False

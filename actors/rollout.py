@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from tensordict import TensorDict
@@ -97,9 +98,12 @@ class Collector:
         return self._next
 
     @torch.inference_mode()
-    def collect(self, version: int, reset_seeds: list[int] | None = None) -> tuple[TensorDict, RolloutStats, int]:
+    def collect(self, version: int, reset_seeds: list[int] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> tuple[TensorDict, RolloutStats, int] | None:
         """Fill the next storage with T steps acted by weight version `version`. With
         `reset_seeds` (one per env), every env is reset first with its seed (GRPO groups).
+        `should_stop` is asked between steps (a slow model must not delay shutdown by a whole
+        rollout); when it says yes the partial rollout is abandoned and None returned.
 
         Returns ``(rollout, stats, index)``: the rollout aliases storage ``index``, which the
         caller must not let be refilled while it is still being sent.
@@ -119,6 +123,8 @@ class Collector:
         stats = RolloutStats()
         n = self.env.num_envs
         for t in range(self.num_steps):
+            if should_stop is not None and should_stop():
+                return None
             ti = time.perf_counter()
             td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
             action = td[keys.ACTION]

@@ -333,7 +333,7 @@ def run_thread_variant(args) -> Result:
     collector = Collector(env, LockedPolicy(learner.policy), cfg.trainer.buffer_size, seed=seed,
                           inference_latency_s=0.0)   # the wrapper sleeps, under the lock
     stop = threading.Event()
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
     times: dict[str, float] = {}
 
     def collect_loop() -> None:
@@ -349,7 +349,7 @@ def run_thread_variant(args) -> Result:
                                                  "episode_lengths": stats.episode_lengths})
                 times.setdefault("first_ingest", time.perf_counter())
                 seq += 1
-        except BaseException as e:     # reported by the training thread
+        except Exception as e:  # noqa: BLE001 -- any failure is reported by the training thread
             errors.append(e)
             stop.set()
 

@@ -263,3 +263,29 @@ def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
     import json
     lines = [json.loads(l) for l in (tmp_path / "versions.jsonl").read_text().splitlines()]
     assert any(l["event"] == "consume" and l["seq"] is None for l in lines)
+
+
+def test_actor_abandons_a_rollout_on_stop_and_never_loads_weights_mid_rollout():
+    cfg = small_config(buffer_type="vla", buffer_size=400)
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+
+    class Scripted(PublisherSource):
+        calls = 0
+
+        def newest(self, timeout_ms=0):
+            self.calls += 1
+            if self.calls == 50:     # mid-rollout: newer weights arrive ...
+                learner.version += 1
+                learner.publish()
+            if self.calls == 120:    # ... then a stop
+                return TensorDict({}, []), {"kind": "stop"}
+            return super().newest(timeout_ms)
+
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, Scripted(pub), sink)
+    assert actor.step_once() is False
+    assert sink.messages == [] and actor.stop_event.is_set()
+    assert actor.version == 0                       # the mid-rollout weights were kept, not loaded
+    assert actor._stash is not None and actor._stash[1]["version"] == 1
