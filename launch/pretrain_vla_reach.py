@@ -52,7 +52,7 @@ def success_rate(model: TinyVLA, episodes: int, seed: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("outputs/pretrained/tiny_vla_reach.safetensors"))
-    p.add_argument("--target", type=float, default=0.35, help="stop at this deterministic success rate")
+    p.add_argument("--target", type=float, default=0.5, help="stop at this deterministic success rate")
     p.add_argument("--max-steps", type=int, default=3000, help="gradient steps at most")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
