@@ -85,6 +85,10 @@ class Actor:
 
     def _wait_for_version(self, newer_than: int) -> bool:
         """Block until weights newer than `newer_than` are loaded (or stop). False on stop/timeout."""
+        if self._stash is not None:  # weights that arrived during the last rollout come first
+            msg, self._stash = self._stash, None
+            if not self._apply(msg):
+                return False
         deadline = time.monotonic() + self.learner_timeout_s
         while self.version <= newer_than:
             if self.stop_event.is_set() or not self._apply(self.weights.newest(timeout_ms=100)):

@@ -139,9 +139,9 @@ while true; do
         echo "[launch] actor $i failed $n times (last exit code $code): stopping the run"
         status=1; stop_all; break 2
       fi
-      delay=$(( 1 << (n - 1) ))
+      delay=$(( n > 6 ? 30 : 1 << (n - 1) )); (( delay > 30 )) && delay=30
       echo "[launch] actor $i exited with code $code: restart $n/$MAX_RESTARTS in ${delay}s"
-      sleep "$delay"
+      sleep "$delay" & wait $!          # in the background, so INT/TERM traps run at once
       kill -0 "$LEARNER_PID" 2>/dev/null && start_actor "$i"
     fi
   done

@@ -58,8 +58,7 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
 def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int) -> None:
     """Entry point of the evaluator process (spawned by the learner)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C reaches the learner; it stops us
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end at once, even mid-evaluation
     torch.set_num_threads(1)
     cfg: Config = config_from_dict(cfg_dict, source=source)
     t = cfg.trainer
@@ -72,7 +71,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     count = 0
     last: dict | None = None   # the last result, reused when the final weights were already evaluated
     try:
-        while not stopping and os.getppid() == parent_pid:
+        while os.getppid() == parent_pid:
             msg = sub.newest(timeout_ms=200)
             if msg is None:
                 continue

@@ -56,6 +56,9 @@ class ListPublisher:
         self.published.append((td.clone(), meta))
 
 
+MAX_ABS_VALUE = 1e8   # larger floats in a rollout are refused: they overflow the loss in float32
+
+
 class RejectedMessage(ValueError):
     """A message the learner will not take; the text names the sender and what is wrong."""
 
@@ -147,7 +150,8 @@ class Learner:
         self.env_steps = 0                     # env steps received (trained on or dropped)
         self.env_steps_trained = 0
         self.updates = 0
-        self.counts = {"rollouts": 0, "dropped_lag": 0, "overwritten": 0, "malformed": 0, "rejected": 0}
+        self.counts = {"rollouts": 0, "dropped_lag": 0, "overwritten": 0, "dropped_other": 0, "malformed": 0,
+                       "rejected": 0}
         self._known_senders: set[int] = set()
         self._refused_senders: dict[int, str] = {}
         self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
@@ -181,6 +185,24 @@ class Learner:
                 problems.append(f"{k!r} is {g.dtype} {list(g.shape)}, expected {e.dtype} {list(e.shape)}")
         return problems
 
+    def _check_values(self, td: TensorDictBase) -> str | None:
+        """Values a well-behaved actor cannot produce and that would break the update (a finite but
+        absurd number overflows the loss; an out-of-range action index fails inside it)."""
+        for k, v in td.items(include_nested=True, leaves_only=True):
+            if v.dtype.is_floating_point and v.numel():
+                if not bool(torch.isfinite(v).all()):
+                    return f"rollout {k!r} holds NaN or inf"
+                if float(v.abs().max()) > MAX_ABS_VALUE:
+                    return f"rollout {k!r} holds values beyond +-{MAX_ABS_VALUE:g}"
+        act = self.spec.action
+        if act.kind == "discrete":
+            a = td[keys.ACTION]
+            if bool(((a < 0) | (a >= act.n)).any()):
+                return f"rollout 'action' outside 0..{act.n - 1}"
+            if bool((td[keys.LOG_PROB] > 1e-4).any()):
+                return "rollout 'sample_log_prob' > 0 for a discrete action"
+        return None
+
     def ingest(self, td: TensorDictBase, meta: dict) -> None:
         """Take one decoded message. Rollouts go through schema and lag checks into the buffer.
 
@@ -197,19 +219,21 @@ class Learner:
             raise RejectedMessage(f"message of kind {kind!r} (from {meta.get('actor', meta.get('sender'))!r}): "
                                   f"the learner accepts 'rollout' and 'eval'")
         actor = meta.get("actor")
-        if not isinstance(actor, int) or isinstance(actor, bool) or actor < 0:
-            raise RejectedMessage(f"rollout without a valid 'actor' id (got {actor!r})")
+        if not _is_int(actor) or not 0 <= actor < self.cfg.actors.num_actors:
+            raise RejectedMessage(f"rollout without a valid 'actor' id (got {actor!r}; actors.num_actors is "
+                                  f"{self.cfg.actors.num_actors})")
         if actor in self._refused_senders:
             raise RejectedMessage(f"actor {actor}: refused earlier: {self._refused_senders[actor]}")
         problems = self._check_schema(td)
         if problems:
-            why = "rollout does not match the learner's schema: " + "; ".join(problems)
+            why = "rollout does not match the learner's schema: " + "; ".join(problems[:3]) + (
+                f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
             if actor not in self._known_senders:  # refused at its first message, for good
                 self._refused_senders[actor] = why
             raise RejectedMessage(f"actor {actor}: {why}")
-        for k, v in td.items(include_nested=True, leaves_only=True):
-            if v.dtype.is_floating_point and not bool(torch.isfinite(v).all()):
-                raise RejectedMessage(f"actor {actor}: rollout {k!r} holds NaN or inf")
+        bad = self._check_values(td)
+        if bad:
+            raise RejectedMessage(f"actor {actor}: {bad}")
         self._known_senders.add(actor)
         versions = td[keys.POLICY_VERSION]
         vmin, vmax = int(versions.min()), int(versions.max())
@@ -254,7 +278,8 @@ class Learner:
 
     def _drop(self, info: dict, reason: str) -> None:
         with self._lock:
-            self.counts["dropped_lag" if reason in ("lag", "stale") else "overwritten"] += 1
+            key = {"lag": "dropped_lag", "stale": "dropped_lag", "overwritten": "overwritten"}.get(reason, "dropped_other")
+            self.counts[key] = self.counts.get(key, 0) + 1
         self._version_event("drop", info, reason=reason)
 
     def _version_event(self, event: str, info: dict, **extra: Any) -> None:
@@ -281,11 +306,14 @@ class Learner:
             log.warning("rejected message #%d: %s", n, error)
 
     # ================================================================ training (main thread)
-    def publish(self, final: bool = False) -> None:
-        self.publisher.publish(weights_td(self.policy).cpu(), kind="weights", version=self.version,
+    def publish(self, final: bool = False, event: str = "publish") -> None:
+        # A copy: ZeroMQ may still be reading these bytes when the next optimiser step runs.
+        weights = weights_td(self.policy)
+        weights = weights.clone() if self.device.type == "cpu" else weights.cpu()
+        self.publisher.publish(weights, kind="weights", version=self.version,
                                env_steps=self.env_steps, final=final, time=time.time())
         if self.logger is not None and not final:  # final re-sends the current version: no new line
-            self.logger.versions.write(event="publish", version=self.version, time=time.time(),
+            self.logger.versions.write(event=event, version=self.version, time=time.time(),
                                        env_steps=self.env_steps, updates=self.updates)
 
     def take_batch(self, timeout_s: float = 0.05) -> tuple[TensorDictBase, list[dict]] | None:
@@ -312,6 +340,14 @@ class Learner:
         infos = [i for _, i in self._pending]
         self._pending = []
         return data, infos
+
+    def drop_unconsumed(self, reason: str) -> None:
+        """Record every rollout still held (buffer and partial batch) as dropped: each received
+        rollout leaves exactly one consume or drop line."""
+        taken = self.buffer.take(self.buffer.capacity)
+        for info in [i for _, i in self._pending] + taken.stale + taken.infos:
+            self._drop(info, reason)
+        self._pending = []
 
     def update_once(self, data: TensorDictBase, infos: list[dict]) -> dict[str, float]:
         """One PPO update on `k` rollouts ``[k, N, T]``; bumps the version and publishes."""

@@ -37,6 +37,9 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
             out = loss_fn(mb)
             loss = sum(v for k, v in out.items() if k.startswith("loss_"))
+            if not bool(torch.isfinite(loss)):  # before the step: the weights stay as they were
+                raise FloatingPointError(f"non-finite loss {float(loss)} in epoch {epochs}, "
+                                         f"minibatch {count} ({ {k: float(v) for k, v in out.items()} })")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             out["grad_norm"] = (nn.utils.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0

@@ -93,7 +93,8 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     recv_stop = threading.Event()
     receiver = threading.Thread(target=_receive_loop, args=(learner, pull, recv_stop), name="receiver", daemon=True)
     receiver.start()
-    learner.publish()
+    # After --resume the checkpoint's version was published before: log a "resume" line, not a second publish.
+    learner.publish(event="resume" if learner.resumed_from is not None else "publish")
     last_progress = time.time()
     exit_code = 0
     try:
@@ -122,6 +123,7 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
         learner.accepting = False
         publisher.send_control(kind="stop", who="actors")
+        learner.drop_unconsumed("shutdown")
         if exit_code == 0:  # after a failure the last periodic checkpoint is the one to resume from
             try:
                 learner.save()
@@ -132,7 +134,7 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
             # A last evaluation of the final weights, bounded in time.
             learner.publish(final=True)
             deadline = time.time() + 120
-            while time.time() < deadline and eval_proc.is_alive():
+            while time.time() < deadline and eval_proc.is_alive() and not stop.is_set():
                 publisher.serve_subscriptions()
                 try:
                     meta = learner.evals.get(timeout=0.1)
@@ -147,10 +149,13 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         recv_stop.set()
         receiver.join(timeout=5)
         if eval_proc is not None:
-            eval_proc.join(timeout=5)
+            eval_proc.join(timeout=2)
             if eval_proc.is_alive():
-                eval_proc.terminate()
-                eval_proc.join(timeout=5)
+                eval_proc.terminate()          # the evaluator keeps nothing: SIGTERM ends it at once
+                eval_proc.join(timeout=2)
+            if eval_proc.is_alive():
+                eval_proc.kill()
+                eval_proc.join(timeout=1)
         summary = {"env_steps": learner.env_steps, "version": learner.version, "updates": learner.updates,
                    "wall_s": time.time() - learner.start_time, **learner.counts,
                    "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,

@@ -336,6 +336,10 @@ def _check(cfg: Config) -> list[str]:
     if alg.batch_size > samples:
         errors.append(f"algorithm.cfg.batch_size: {alg.batch_size} is larger than one update's data "
                       f"(rollouts_per_update x actors.num_envs x trainer.buffer_size = {samples})")
+    if t.buffer_type == "standard" and cfg.rollouts_per_update > a.num_actors:
+        errors.append(f"trainer.rollouts_per_update: {t.rollouts_per_update} is more than actors.num_actors "
+                      f"({a.num_actors}); in standard mode each actor sends one rollout per version, so the "
+                      f"learner would wait forever")
     if t.buffer_type == "vla" and t.buffer_capacity < cfg.rollouts_per_update:
         errors.append(f"trainer.buffer_capacity: {t.buffer_capacity} cannot hold one update's "
                       f"{cfg.rollouts_per_update} rollouts (trainer.rollouts_per_update, default num_actors)")

@@ -344,7 +344,7 @@ def test_vla_mode_runs(tmp_path):
     assert_consume_lags(events, max_lag=max_lag)
     for e in events:
         if e["event"] == "drop":
-            assert e["reason"] in ("lag", "stale", "overwritten"), e
+            assert e["reason"] in ("lag", "stale", "overwritten", "shutdown"), e
     assert_update_metrics(read_jsonl(run_dir / "metrics.jsonl"), summary["updates"])
     assert "mode vla" in (run_dir / "logs" / "learner.log").read_text()
 
@@ -455,11 +455,13 @@ def test_resume_continues_version(tmp_path):
 
     assert f"resumed at v{ckpt['version']}" in (run_dir / "logs" / "learner.log").read_text()
     after = read_jsonl(run_dir / "versions.jsonl")[n_before:]
+    resumes = [e for e in after if e["event"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["version"] == ckpt["version"], resumes
+    assert resumes[0]["env_steps"] == ckpt["env_steps"]
     pubs = publishes(after, final=False)
     assert pubs, "no publish after resume"
-    assert pubs[0]["version"] == ckpt["version"], f"first publish after resume {pubs[0]} vs checkpoint v{ckpt['version']}"
-    assert pubs[0]["env_steps"] == ckpt["env_steps"]
-    assert_versions_publish_sequence(after, start=ckpt["version"])
+    assert pubs[0]["version"] == ckpt["version"] + 1, f"first publish after resume {pubs[0]} vs checkpoint v{ckpt['version']}"
+    assert_versions_publish_sequence(after, start=ckpt["version"] + 1)
     assert len(pubs) >= 2, "no update after resume"
     cons = assert_consume_lags(after, max_lag=0)
     assert all(e["policy_version"] >= ckpt["version"] for e in cons), "an actor acted with pre-resume weights"

@@ -195,6 +195,7 @@ def test_standard_mode_refuses_stale_rollouts():
 
 def test_schema_mismatch_refused_at_first_message_naming_actor():
     cfg = small_config(buffer_type="vla")
+    cfg.actors.num_actors = 8
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
     bad = learner.template.clone()
     bad.set(keys.OBS, torch.zeros(4, 16, 5))
@@ -289,3 +290,68 @@ def test_actor_abandons_a_rollout_on_stop_and_never_loads_weights_mid_rollout():
     assert sink.messages == [] and actor.stop_event.is_set()
     assert actor.version == 0                       # the mid-rollout weights were kept, not loaded
     assert actor._stash is not None and actor._stash[1]["version"] == 1
+
+
+def test_values_that_would_break_the_update_are_refused():
+    cfg = small_config(buffer_type="vla")
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    meta = {"kind": "rollout", "actor": 0, "seq": 0}
+    cases = [(keys.ACTION, 5, r"'action' outside 0\.\.1"), (keys.LOG_PROB, 3.0, r"sample_log_prob' > 0"),
+             (keys.REWARD, 1e30, r"'reward' holds values beyond")]
+    for key, value, match in cases:
+        bad = learner.template.clone()
+        bad[key][0, 0] = value
+        with pytest.raises(RejectedMessage, match=match):
+            learner.ingest(bad, meta)
+    with pytest.raises(RejectedMessage, match="valid 'actor' id"):
+        learner.ingest(learner.template.clone(), {**meta, "actor": 1})   # num_actors is 1
+    assert len(learner.buffer) == 0
+
+
+def test_published_weights_are_a_snapshot():
+    cfg = small_config()
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+
+    class Keep:  # keeps what it was given, without cloning (as zero-copy ZeroMQ would)
+        got = []
+
+        def publish(self, td, **meta):
+            self.got.append(td)
+
+    learner.publisher = Keep()
+    learner.publish()
+    before = {k: v.clone() for k, v in Keep.got[0].items(include_nested=True, leaves_only=True)}
+    with torch.no_grad():
+        for p in learner.policy.parameters():
+            p.add_(1.0)
+    for k, v in Keep.got[0].items(include_nested=True, leaves_only=True):
+        assert torch.equal(v, before[k]), k
+
+
+def test_standard_mode_actor_uses_weights_that_arrived_mid_rollout():
+    cfg = small_config(buffer_size=50)
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(pub), sink, learner_timeout_s=2.0)
+    assert actor.step_once()
+    learner.ingest(*sink.messages[-1])
+    learner.update_once(*learner.take_batch(timeout_s=0))     # v1 published
+
+    class Drained:  # a socket: each message is delivered once
+        def __init__(self):
+            self.seen = 0
+
+        def newest(self, timeout_ms=0):
+            if self.seen < len(pub.published):
+                self.seen = len(pub.published)
+                return pub.published[-1]
+            return None
+
+    actor.weights = Drained()
+    actor._between_steps()                                    # v1 arrives "mid-rollout": stashed
+    assert actor._stash is not None
+    assert actor.step_once() and not actor.failed             # no 2 s wait for a version it holds
+    assert sink.messages[-1][1]["policy_version"] == 1
