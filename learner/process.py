@@ -123,7 +123,6 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
         learner.accepting = False
         publisher.send_control(kind="stop", who="actors")
-        learner.drop_unconsumed("shutdown")
         if exit_code == 0:  # after a failure the last periodic checkpoint is the one to resume from
             try:
                 learner.save()
@@ -148,6 +147,7 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         print(learner.progress_line(), flush=True)
         recv_stop.set()
         receiver.join(timeout=5)
+        learner.drop_unconsumed("shutdown")    # after the receiver stopped: nothing can slip in behind it
         if eval_proc is not None:
             eval_proc.join(timeout=2)
             if eval_proc.is_alive():
