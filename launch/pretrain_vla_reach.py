@@ -27,7 +27,7 @@ from shared.policies.tiny_vla import TinyVLA
 from shared.policies.vla import VLAPolicy
 
 MODEL_CONFIG = {"image_size": 16, "vocab_size": VOCAB_SIZE, "proprio_dim": 4, "action_dim": 2, "hidden": 64,
-                "log_std_init": -1.0}
+                "log_std_init": -1.5}
 
 
 def expert_batch(env: Reach, steps: int, noise: float, gen: torch.Generator) -> tuple[TensorDict, torch.Tensor]:
