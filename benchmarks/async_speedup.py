@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -60,9 +59,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:          # for `shared`, `actors`, `learner` in the thread variant
-    sys.path.insert(0, str(ROOT))
+from _common import ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl, tail  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "cartpole_ppo.json"
 LAUNCHER = ROOT / "launch" / "run_local.sh"
@@ -77,10 +74,6 @@ VARIANTS = {                           # name -> (label, buffer_type, actors, ki
     "vla4": ("vla-4", "vla", 4, "process"),
     "thread": ("thread", "vla", 1, "thread"),
 }
-
-
-class BenchmarkError(RuntimeError):
-    """A variant could not be measured; the message says which and why."""
 
 
 @dataclass
@@ -130,15 +123,6 @@ def variant_overrides(args, buffer_type: str, actors: int) -> list[str]:
 
 
 # ================================================================== process variants
-
-def _child_env() -> dict:
-    env = dict(os.environ)
-    env["TANDEM_PYTHON"] = sys.executable
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
 
 def _group_members(pgid: int) -> list[str]:
     """The live (not zombie) processes of process group `pgid`, as "pid command" strings."""
@@ -204,27 +188,6 @@ def _stop_launcher(p: subprocess.Popen) -> list[str]:
     return notes
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    try:
-        text = path.read_text()
-    except OSError:
-        return rows
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass                       # a run killed mid-line leaves at most one partial line
-    return rows
-
-
 def run_process_variant(name: str, args, run_dir: Path) -> Result:
     label, buffer_type, actors, kind = VARIANTS[name]
     res = Result(name, label, kind, buffer_type, actors)
@@ -236,17 +199,17 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
     t_start_wall = time.time()
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdin=subprocess.DEVNULL, stdout=log,
+        p = subprocess.Popen(cmd, cwd=ROOT, env=child_env(launcher_python=True), stdin=subprocess.DEVNULL, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
         try:
             code = p.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             raise BenchmarkError(f"{label}: not finished within --timeout {args.timeout:.0f} s; the launcher's "
-                                 f"log ends:\n{_tail(log_path)}") from None
+                                 f"log ends:\n{tail(log_path)}") from None
         res.wall_s = time.monotonic() - t0
         if code != 0:
-            raise BenchmarkError(f"{label}: run_local.sh exited with code {code}; its log ends:\n{_tail(log_path)}")
+            raise BenchmarkError(f"{label}: run_local.sh exited with code {code}; its log ends:\n{tail(log_path)}")
     finally:
         notes = _stop_launcher(p)     # bounded; also on failure and Ctrl-C
         for note in notes:
@@ -263,7 +226,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
     res.dropped_lag = summary.get("dropped_lag")
     res.overwritten = summary.get("overwritten")
     res.eval_return = summary.get("last_eval/return_mean")
-    versions = _read_jsonl(run_dir / "versions.jsonl")
+    versions = read_jsonl(run_dir / "versions.jsonl")
     lags = [v["lag"] for v in versions if v.get("event") == "consume" and isinstance(v.get("lag"), int)]
     if lags:
         res.lag_mean, res.lag_max = sum(lags) / len(lags), max(lags)
@@ -273,7 +236,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
         res.startup_s = first - t_start_wall
         if publishes:
             res.window_s = max(publishes) - first
-    updates = [m for m in _read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in m]
+    updates = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in m]
     if updates:
         res.update_s_mean = sum(m["perf/update_s"] for m in updates) / len(updates)
         res.extra["learner_wait_s"] = sum(m.get("perf/learner_wait_s", 0.0) for m in updates)
@@ -451,14 +414,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _raise_on_signal(signum, frame):
-    # Unwind through the finally: blocks, which stop every child; a second Ctrl-C must not cut
-    # that clean-up short (it is bounded: STOP_TIMEOUT_S plus a few seconds).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/async_speedup.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -507,8 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         print("[async] note: the machine is not idle; other processes share the cores and skew the figures",
               flush=True)
 
-    signal.signal(signal.SIGINT, _raise_on_signal)
-    signal.signal(signal.SIGTERM, _raise_on_signal)
+    signal.signal(signal.SIGINT, raise_on_signal)
+    signal.signal(signal.SIGTERM, raise_on_signal)
     tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-async-")
     runs_root = args.keep_runs.resolve() if args.keep_runs else Path(tmp)
     results: list[Result] = []
@@ -586,8 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                "overrides": {n: variant_overrides(args, VARIANTS[n][1], VARIANTS[n][2]) for n in names},
                "results": [asdict(r) for r in results],
                "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version(), "load_average_at_end": os.getloadavg()[0]},
+               "machine": machine_info(),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

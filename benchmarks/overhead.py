@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import queue
 import re
 import shutil
@@ -50,19 +49,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:          # for `shared`/`actors` here and in the phase 1-2 workers
-    sys.path.insert(0, str(ROOT))
+from _common import ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl, tail  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 TARGET = 0.9                           # transport-only / env+inference should be at least this
 STOP_TIMEOUT_S = 10.0                  # SIGTERM -> SIGKILL grace for every child we start
 MIN_WINDOW_S = 5.0                     # phases 3-4: shorter timed windows get a warning
 LOG_INTERVAL_S = 0.25                  # phases 3-4: period of the learner progress lines they are timed by
-
-
-class BenchmarkError(RuntimeError):
-    """A phase could not be measured; the message says which and why."""
 
 
 @dataclass
@@ -81,14 +74,6 @@ class PhaseResult:
 
 # ================================================================== child processes
 
-def _child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _start(cmd: list[str], log_path: Path, stdin=subprocess.DEVNULL, stdout=None) -> subprocess.Popen:
     """Start `cmd` as a fresh interpreter in its own session (process group); what it writes goes
     to `log_path` (stdout too, unless `stdout` is given).
@@ -99,7 +84,7 @@ def _start(cmd: list[str], log_path: Path, stdin=subprocess.DEVNULL, stdout=None
     the share of one process while P sessions get the share of P.
     """
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdin=stdin,
+        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdin=stdin,
                                 stdout=log if stdout is None else stdout,
                                 stderr=subprocess.STDOUT if stdout is None else log, start_new_session=True)
 
@@ -128,13 +113,6 @@ def _stop_processes(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 # ================================================================== phases 1-2: worker processes
@@ -242,7 +220,7 @@ def run_worker_phase(name: str, phase: str, args, overrides: list[str], log_dir:
                     continue
                 procs[i].wait(timeout=5)
                 raise BenchmarkError(f"{name}: worker {i} exited (code {procs[i].returncode}) before {prefix}; "
-                                     f"its log ends:\n{_tail(log_dir / f'worker_{i}.log')}")
+                                     f"its log ends:\n{tail(log_dir / f'worker_{i}.log')}")
             if line.startswith(prefix):
                 got[i] = line[len(prefix):].strip()
         return got
@@ -262,7 +240,7 @@ def run_worker_phase(name: str, phase: str, args, overrides: list[str], log_dir:
                 p.stdin.flush()
             except OSError:                   # it died after READY
                 raise BenchmarkError(f"{name}: worker {i} went away before the start; its log ends:\n"
-                                     f"{_tail(log_dir / f'worker_{i}.log')}") from None
+                                     f"{tail(log_dir / f'worker_{i}.log')}") from None
         reports = {i: json.loads(text) for i, text in expect("RESULT", deadline).items()}
     finally:
         _stop_processes(procs)
@@ -319,21 +297,10 @@ def learner_window(points: list[tuple[float, float]], start_steps: float) -> tup
                          f"steps) to time a steady state: raise --steps or lower --warmup")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass               # a line cut by a crash
-    return rows
-
-
 def _training_stats(run_dir: Path, start_steps: float) -> dict:
     """Learner-side figures of a training run, from metrics.jsonl (one line per update) and
     summary.json, over the updates logged at or past `start_steps` received env steps."""
-    rows = [r for r in _read_jsonl(run_dir / "metrics.jsonl")
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")
             if "perf/samples_per_update" in r and r.get("env_steps", 0) >= start_steps]
     out: dict = {}
     if len(rows) >= 2 and rows[-1]["time"] > rows[0]["time"]:
@@ -383,21 +350,21 @@ def run_tandem_phase(name: str, args, overrides: list[str], discard: bool, run_d
             for i, a in enumerate(actors):
                 if a.poll() not in (None, 0):
                     raise BenchmarkError(f"{name}: actor {i} exited with code {a.returncode} before the learner "
-                                         f"finished; its log ends:\n{_tail(run_dir / f'actor_{i}.log')}")
+                                         f"finished; its log ends:\n{tail(run_dir / f'actor_{i}.log')}")
             # Exit code 0 is an actor obeying the learner's stop message, sent before the learner's
             # own shutdown work; but a learner still up long after every actor left would wait forever.
             if all_gone_at is None and all(a.poll() is not None for a in actors):
                 all_gone_at = time.monotonic()
             if all_gone_at is not None and time.monotonic() - all_gone_at > 3 * STOP_TIMEOUT_S:
                 raise BenchmarkError(f"{name}: every actor left but the learner did not finish; its log ends:\n"
-                                     f"{_tail(learner_log)}")
+                                     f"{tail(learner_log)}")
             if time.monotonic() > deadline:
                 raise BenchmarkError(f"{name}: not finished within --phase-timeout {args.phase_timeout:.0f} s "
-                                     f"(learner log ends:\n{_tail(learner_log)})")
+                                     f"(learner log ends:\n{tail(learner_log)})")
             time.sleep(0.2)
         if learner.returncode != 0:
             raise BenchmarkError(f"{name}: the learner exited with code {learner.returncode}; its log ends:\n"
-                                 f"{_tail(learner_log)}")
+                                 f"{tail(learner_log)}")
         # The learner has sent its stop message: the actors should leave on their own.
         end = time.monotonic() + STOP_TIMEOUT_S
         for a in actors:
@@ -451,14 +418,6 @@ def fmt_table(results: list[PhaseResult]) -> str:
     def line(cells) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
-def _raise_on_signal(signum, frame):
-    # Unwind through the finally: blocks, which stop every child; a second Ctrl-C must not cut
-    # that clean-up short (it is bounded: STOP_TIMEOUT_S plus a few seconds).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Ctrl-C and SIGTERM (also when SIGINT came in ignored, as in a background job) unwind
     # through the finally: blocks below, which stop every child.
-    signal.signal(signal.SIGINT, _raise_on_signal)
-    signal.signal(signal.SIGTERM, _raise_on_signal)
+    signal.signal(signal.SIGINT, raise_on_signal)
+    signal.signal(signal.SIGTERM, raise_on_signal)
     names = {1: "raw env", 2: "env+inference", 3: "transport only",
              4: f"tandem training ({base.trainer.buffer_type})"}
     results: list[PhaseResult] = []
@@ -588,8 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                "num_envs": cfg.actors.num_envs, "buffer_size": cfg.trainer.buffer_size, "steps": args.steps,
                "warmup": args.warmup, "overrides": args.sets, "phases": [asdict(r) for r in results],
                "transport_over_inference": key, "target": TARGET,
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version(), "load_average_at_end": os.getloadavg()[0]},
+               "machine": machine_info(),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -137,7 +137,8 @@ class PolicyConfig:
 
 
 @dataclass
-class PPOConfig:
+class ClippedPGConfig:
+    """The keys PPO and GRPO share: the clipped-ratio update and its optimiser."""
     learning_rate: float = 3e-4
     anneal_lr: bool = False
     """Linearly decay the learning rate to 0 over total_steps."""
@@ -145,24 +146,29 @@ class PPOConfig:
     batch_size: int = 256
     """Minibatch size, in samples."""
     gamma: float = 0.99
-    gae_lambda: float = 0.95
     clip_coef: float = 0.2
-    clip_vloss: bool = False
     ent_coef: float = 0.0
-    vf_coef: float = 0.5
     max_grad_norm: float = 0.5
-    norm_adv: bool = True
     target_kl: Optional[float] = None
     """Stop the epochs of an update early once approx-KL exceeds this."""
-    normalize_reward: bool = False
-    """Scale rewards by the running std of the discounted return (learner-side)."""
     adam_eps: float = 1e-5
 
 
 @dataclass
-class GRPOConfig:
+class PPOConfig(ClippedPGConfig):
+    gae_lambda: float = 0.95
+    clip_vloss: bool = False
+    vf_coef: float = 0.5
+    norm_adv: bool = True
+    normalize_reward: bool = False
+    """Scale rewards by the running std of the discounted return (learner-side)."""
+
+
+@dataclass
+class GRPOConfig(ClippedPGConfig):
     """Group-relative policy optimisation: critic-free, advantages relative to a group of envs
     that start from identical states (see ``learner/grpo.py``)."""
+    n_epochs: int = 4
     group_size: int = 8
     """Envs per group; actors.num_envs must be a multiple of it."""
     kl_coef: float = 0.0
@@ -173,16 +179,6 @@ class GRPOConfig:
     """Reset every env at the start of each rollout (a new seed per group and per rollout)."""
     truncate_at_first_done: bool = True
     """An env contributes only up to its first episode end in the rollout."""
-    learning_rate: float = 3e-4
-    anneal_lr: bool = False
-    n_epochs: int = 4
-    batch_size: int = 256
-    gamma: float = 0.99
-    clip_coef: float = 0.2
-    ent_coef: float = 0.0
-    max_grad_norm: float = 0.5
-    target_kl: Optional[float] = None
-    adam_eps: float = 1e-5
 
 
 ALGORITHM_CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
