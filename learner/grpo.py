@@ -22,7 +22,7 @@ MASK = "mask"   # learner-side: which steps take part in the update
 
 @torch.no_grad()
 def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, gamma: float, eps: float,
-                    truncate_at_first_done: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    truncate_at_first_done: bool, scale_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantages.
 
     Args:
@@ -31,6 +31,7 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         gamma: discount of the step-wise return-to-go (cut at every episode end).
         eps: added to the within-group standard deviation.
         truncate_at_first_done: mask out every step after an env's first episode end.
+        scale_by_std: divide the centred returns by the group's standard deviation (+ eps).
 
     Returns:
         ``(advantage, mask)``, both ``[B, T]``; advantage is 0 where mask is False.
@@ -53,8 +54,11 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
     m = mask.view(b // group_size, group_size, t_len).to(ret.dtype)
     n = m.sum(1, keepdim=True).clamp(min=1.0)
     mean = (g * m).sum(1, keepdim=True) / n
-    std = (((g - mean) ** 2 * m).sum(1, keepdim=True) / n).sqrt()
-    adv = ((g - mean) / (std + eps) * m).view(b, t_len)
+    adv = g - mean
+    if scale_by_std:
+        std = (((g - mean) ** 2 * m).sum(1, keepdim=True) / n).sqrt()
+        adv = adv / (std + eps)
+    adv = (adv * m).view(b, t_len)
     return adv, mask
 
 

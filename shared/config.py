@@ -175,6 +175,10 @@ class GRPOConfig(ClippedPGConfig):
     """Weight of the KL penalty to the frozen reference (initial) policy: 0 from scratch, ~0.02 to fine-tune."""
     eps: float = 1e-8
     """Added to the within-group standard deviation."""
+    scale_by_std: bool = True
+    """Divide by the within-group standard deviation (the original GRPO). ``false`` keeps the
+    mean-centred returns (Dr. GRPO, Liu et al. 2025): a group whose returns differ only by noise
+    then gets small advantages instead of unit-scale ones; better when rewards are dense."""
     reset_every_rollout: bool = True
     """Reset every env at the start of each rollout (a new seed per group and per rollout)."""
     truncate_at_first_done: bool = True

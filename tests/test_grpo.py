@@ -50,6 +50,19 @@ def test_truncation_at_first_done_masks_and_renormalises_over_running_envs():
     torch.testing.assert_close(adv[:, 2], torch.zeros(3))
 
 
+def test_without_std_scaling_advantages_are_centred_returns():
+    # the same group as above, Dr. GRPO style: centred over the running envs, not divided by the std
+    reward = torch.tensor([[1.0, 5.0, 5.0], [1.0, 1.0, 5.0], [1.0, 1.0, 1.0]])
+    done = torch.tensor([[True, False, False], [False, True, False], [False, False, False]])
+    adv, mask = grpo_advantages(reward, done, group_size=3, gamma=1.0, eps=1e-8, truncate_at_first_done=True,
+                                scale_by_std=False)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, 0.0, 0.0], [0.0, -0.5, 0.0], [1.0, 0.5, 0.0]]))
+    # a group whose returns differ only a little keeps small advantages (std scaling would make them +-1)
+    adv, _ = grpo_advantages(torch.tensor([[1.0], [1.01]]), torch.zeros(2, 1, dtype=torch.bool), 2, 1.0, 1e-8,
+                             True, scale_by_std=False)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([-0.005, 0.005]))
+
+
 def test_without_truncation_returns_restart_after_episode_end():
     reward = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     done = torch.tensor([[False, True, False], [False, False, False]])
