@@ -7,9 +7,11 @@ at rollout boundaries, so every step of a rollout is acted by the version stampe
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
+from collections import deque
 from typing import Protocol
 
 import numpy as np
@@ -65,34 +67,59 @@ class Actor:
         self.rollouts_since_sync = 0
         self.failed = False   # set when the actor gives up on an unreachable learner
         self._last_acted = -1
-        self._stash: tuple[TensorDictBase, dict] | None = None   # newest weights seen mid-rollout
+        # Weights messages seen but not loaded yet, with their arrival time: loaded at a rollout
+        # boundary, and only once `actors.weights_delay_s` old (a controlled-staleness knob).
+        self._incoming: deque[tuple[float, tuple[TensorDictBase, dict]]] = deque()
+        self._received_at = 0.0                      # when the loaded version arrived
+        self._synced: list[list] = []                # [[version, received, first acted]] for the next rollout
+        self._new_version = False
+        self._consumed_base: int | None = None       # the learner's count for this id when we started
+        t = cfg.trainer
+        k = cfg.rollouts_per_update
+        self.max_inflight = max(1, math.ceil(max(1, t.max_policy_lag) * k / cfg.actors.num_actors))
+        self.pace = t.buffer_type == "vla" and t.lag_policy == "pace"
 
     # ------------------------------------------------------------------ weights
-    def _apply(self, msg: tuple[TensorDictBase, dict] | None) -> bool:
-        """Load weights from `msg` if newer. Returns False when the message asks us to stop."""
+    def _poll(self, timeout_ms: int = 0) -> bool:
+        """Queue the newest weights message, if any. Returns False when the learner asks us to stop."""
+        msg = self.weights.newest(timeout_ms)
         if msg is None:
             return True
-        td, meta = msg
-        if meta.get("kind") == "stop":
+        if msg[1].get("kind") == "stop":
             log.info("actor %d: stop requested by the learner", self.actor_id)
             self.stop_event.set()
             return False
+        now = time.time()
+        if self.cfg.actors.weights_delay_s <= 0:
+            self._incoming.clear()      # only the newest can ever be loaded
+        self._incoming.append((now, msg))
+        cutoff = now - self.cfg.actors.weights_delay_s
+        while len(self._incoming) > 1 and self._incoming[1][0] <= cutoff:
+            self._incoming.popleft()    # superseded by a newer message that is also due
+        return True
+
+    def _load_due(self) -> None:
+        """Load the newest queued weights that are at least `weights_delay_s` old (if newer than ours)."""
+        cutoff = time.time() - self.cfg.actors.weights_delay_s
+        due = None
+        while self._incoming and self._incoming[0][0] <= cutoff:
+            due = self._incoming.popleft()
+        if due is None:
+            return
+        received, (td, meta) = due
         version = meta.get("version")
         if meta.get("kind") == "weights" and isinstance(version, int) and version > self.version:
             load_weights_(self.policy, td.to(self.device))
-            self.version = version
-        return True
+            self.version, self._received_at, self._new_version = version, received, True
 
     def _wait_for_version(self, newer_than: int) -> bool:
         """Block until weights newer than `newer_than` are loaded (or stop). False on stop/timeout."""
-        if self._stash is not None:  # weights that arrived during the last rollout come first
-            msg, self._stash = self._stash, None
-            if not self._apply(msg):
-                return False
+        self._load_due()
         deadline = time.monotonic() + self.learner_timeout_s
         while self.version <= newer_than:
-            if self.stop_event.is_set() or not self._apply(self.weights.newest(timeout_ms=100)):
+            if self.stop_event.is_set() or not self._poll(timeout_ms=100):
                 return False
+            self._load_due()
             if time.monotonic() > deadline:
                 log.error("actor %d: no weights newer than version %d from the learner for %.0f s; exiting",
                           self.actor_id, newer_than, self.learner_timeout_s)
@@ -108,7 +135,8 @@ class Actor:
                              episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
                              episode_successes=stats.episode_successes,
                              collect_s=stats.collect_s, inference_s=stats.inference_s, env_s=stats.env_s,
-                             time=time.time())
+                             synced=self._synced, time=time.time())
+        self._synced = []
         deadline = time.monotonic() + self.learner_timeout_s
         while not self.stop_event.is_set():
             tracker = self.sink.send(frames, timeout_ms=100)
@@ -116,7 +144,7 @@ class Actor:
                 self._trackers[index] = tracker
                 self.seq += 1
                 return True
-            if not self._apply(self.weights.newest(0)):
+            if not self._poll(0):
                 return False
             if time.monotonic() > deadline:
                 log.error("actor %d: the learner has not taken a rollout for %.0f s; exiting",
@@ -140,14 +168,32 @@ class Actor:
     def _between_steps(self) -> bool:
         """Asked between env steps: True to abandon the rollout (stop signal or stop message).
         Weights that arrive mid-rollout are kept for the next rollout boundary, never loaded here."""
-        if self.stop_event.is_set():
-            return True
-        msg = self.weights.newest(0)
-        if msg is not None:
-            if msg[1].get("kind") == "stop":
-                return not self._apply(msg)
-            self._stash = msg
-        return False
+        return self.stop_event.is_set() or not self._poll(0)
+
+    def _inflight(self) -> int:
+        """This actor's rollouts sent but not yet consumed or dropped by the learner, as far as we know."""
+        consumed = getattr(self.weights, "consumed", None)
+        if not (isinstance(consumed, list) and self.actor_id < len(consumed)
+                and isinstance(consumed[self.actor_id], int)):
+            return 0
+        if self._consumed_base is None:      # counts from earlier lives of this actor id
+            self._consumed_base = consumed[self.actor_id]
+        return self.seq - (consumed[self.actor_id] - self._consumed_base)
+
+    def _wait_for_credit(self) -> bool:
+        """lag_policy "pace": wait while `max_inflight` of our rollouts are still unconsumed at the
+        learner, instead of producing data that would be too old by the time it is trained on."""
+        deadline = time.monotonic() + self.learner_timeout_s
+        while self._inflight() >= self.max_inflight:
+            if self.stop_event.is_set() or not self._poll(timeout_ms=50):
+                return False
+            if time.monotonic() > deadline:
+                log.error("actor %d: the learner consumed none of our rollouts for %.0f s; exiting",
+                          self.actor_id, self.learner_timeout_s)
+                self.failed = True
+                self.stop_event.set()
+                return False
+        return True
 
     def _wait_storage_free(self, index: int) -> None:
         tracker = self._trackers[index]
@@ -167,12 +213,16 @@ class Actor:
         newer_than = self._last_acted if self.cfg.trainer.buffer_type == "standard" else -1
         if self.version <= newer_than and not self._wait_for_version(newer_than):
             return False
+        if self.pace and not self._wait_for_credit():
+            return False
         if self.rollouts_since_sync >= self.cfg.actors.sync_every:
-            msg = self.weights.newest(0) or self._stash   # anything still queued is newer than the stash
-            self._stash = None
-            if not self._apply(msg):
+            if not self._poll(0):
                 return False
+            self._load_due()
             self.rollouts_since_sync = 0
+        if self._new_version:   # the weight-sync delay ends here: the first action with this version
+            self._synced.append([self.version, self._received_at, time.time()])
+            self._new_version = False
         self._wait_storage_free(self.collector.next_index)
         out = self.collector.collect(self.version, reset_seeds=self._group_seeds(), should_stop=self._between_steps)
         if out is None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start one Tandem run on this machine: the learner and N actors, each its own process.
 #
-#   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--set KEY=VALUE ...]
+#   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--record]
+#                       [--set KEY=VALUE ...]
 #
 # With no arguments it trains PPO on CartPole-v1 (configs/cartpole_ppo.json). On first use, when
 # the project is not importable, it creates .venv/ and installs it there (torch==2.13.0 only when
@@ -9,6 +10,7 @@
 # The launcher supervises: a crashed actor is restarted (with back-off, at most
 # TANDEM_MAX_RESTARTS times per actor); if the learner dies the run stops and exits non-zero.
 # Ctrl-C or SIGTERM stops every process (the learner writes a final checkpoint) within ~10 s.
+# --record stores every batch the learner trains on under OUT/record (launch/replay.py retrains on it).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,7 +18,7 @@ CONFIG="$ROOT/configs/cartpole_ppo.json"
 ACTORS=""; STEPS=""; OUT=""; RESUME=0; SETS=()
 MAX_RESTARTS="${TANDEM_MAX_RESTARTS:-3}"
 
-usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --config) CONFIG="$2"; shift 2 ;;
@@ -24,6 +26,7 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
+    --record) SETS+=("trainer.record=true"); shift ;;
     --set) SETS+=("$2"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "run_local.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;

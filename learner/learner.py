@@ -14,6 +14,7 @@ Only the main thread touches the policy and the optimiser. The receiver thread t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -33,6 +34,7 @@ from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoin
 from learner.grpo import MASK, grpo_advantages, grpo_update
 from learner.logs import RunLogger, fmt_num
 from learner.ppo import ppo_update
+from learner.vtrace import current_values, vtrace
 from shared import keys
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
@@ -156,7 +158,15 @@ class Learner:
         self._refused_senders: dict[int, str] = {}
         self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
         self._successes: deque[bool] = deque(maxlen=100)
-        self._lags_since_log: list[torch.Tensor] = []
+        n_act = cfg.actors.num_actors
+        self.finished_per_actor = [0] * n_act      # rollouts consumed or dropped, per actor (pacing)
+        self._steps_per_actor = [0] * n_act         # env steps received, per actor
+        self._steps_at_log = ([0] * n_act, time.time())
+        self._sync_delays: list[float] = []         # since the last log
+        self.publish_times: dict[int, float] = {}   # version -> wall time it was published (recent ones)
+        self._credit_sent: list[int] = []
+        self._credit_time = 0.0
+        self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
         self.start_time = time.time()
@@ -240,16 +250,23 @@ class Learner:
         now = time.time()
         seq, sent = meta.get("seq"), meta.get("time")
         # Only well-typed values reach versions.jsonl: a peer's meta must never break the log writer.
+        uniq, counts = torch.unique(versions, return_counts=True)
+        lengths_ok = [n for n in (meta.get("episode_lengths") or []) if _is_int(n)] \
+            if isinstance(meta.get("episode_lengths"), list) else []
         info = {"actor": actor, "seq": seq if _is_int(seq) else None, "policy_version": vmin,
                 "policy_version_max": vmax, "env_steps": td.numel(),
+                "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": len(lengths_ok),
+                "episode_length_mean": sum(lengths_ok) / len(lengths_ok) if lengths_ok else None,
                 "sent": float(sent) if isinstance(sent, (int, float)) and not isinstance(sent, bool) else None,
                 "received": now}
         if vmax > self.version:
             raise RejectedMessage(f"actor {actor}: rollout claims version {vmax}, newer than the learner's "
                                   f"{self.version}")
         returns, lengths = meta.get("episode_returns") or [], meta.get("episode_lengths") or []
+        self._note_syncs(actor, meta.get("synced"))
         with self._lock:
             self.env_steps += td.numel()
+            self._steps_per_actor[actor] += td.numel()
             self.counts["rollouts"] += 1
             if self.first_rollout_time is None:
                 self.first_rollout_time = now
@@ -283,13 +300,42 @@ class Learner:
         self._version_event("drop", info, reason=reason)
 
     def _version_event(self, event: str, info: dict, **extra: Any) -> None:
+        """One consume/drop line: the lag of every sample of the rollout at this moment (exact
+        histogram, min, mean, max), and the rollout's episode statistics (for the drop bias)."""
+        with self._lock:
+            self.finished_per_actor[info["actor"]] += 1
         if self.logger is None:
             return
-        lag = self.version - info["policy_version"]
+        hist = [[self.version - v, c] for v, c in info["version_counts"]]
+        total = sum(c for _, c in hist)
         self.logger.versions.write(event=event, time=time.time(), actor=info["actor"], seq=info["seq"],
                                    policy_version=info["policy_version"], learner_version=self.version,
-                                   lag=lag, lag_min=self.version - info["policy_version_max"],
-                                   env_steps=info["env_steps"], **extra)
+                                   lag=self.version - info["policy_version"],
+                                   lag_min=self.version - info["policy_version_max"],
+                                   lag_mean=sum(lag * c for lag, c in hist) / max(total, 1), lag_hist=hist,
+                                   env_steps=info["env_steps"], episodes=info["episodes"],
+                                   episode_length_mean=info["episode_length_mean"], received=info["received"],
+                                   sent=info["sent"], **extra)
+
+    def _note_syncs(self, actor: int, synced: Any) -> None:
+        """Weight-sync delays an actor reports: ``[[version, received, first_acted], ...]`` for each
+        version it started acting with since its last rollout. Ill-typed entries are ignored."""
+        if not isinstance(synced, list):
+            return
+        for item in synced[:16]:
+            if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0])
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1:])):
+                continue
+            version, received, acted = item[0], float(item[1]), float(item[2])
+            published = self.publish_times.get(version)
+            if published is None or not (math.isfinite(received) and math.isfinite(acted)):
+                continue
+            delay = acted - published
+            with self._lock:
+                self._sync_delays.append(delay)
+            if self.logger is not None:
+                self.logger.versions.write(event="sync", actor=actor, version=version, time=acted,
+                                           published=published, received=received, delay_s=delay)
 
     def note_malformed(self, sender: str, error: str) -> None:
         with self._lock:
@@ -310,11 +356,33 @@ class Learner:
         # A copy: ZeroMQ may still be reading these bytes when the next optimiser step runs.
         weights = weights_td(self.policy)
         weights = weights.clone() if self.device.type == "cpu" else weights.cpu()
+        now = time.time()
+        if not final:
+            self.publish_times[self.version] = now
+            for old in [v for v in self.publish_times if v < self.version - 1000]:
+                del self.publish_times[old]
+        with self._lock:
+            finished = list(self.finished_per_actor)
+        self._credit_sent, self._credit_time = finished, now
+        # `consumed`: per actor, its rollouts the learner has consumed or dropped (lag_policy "pace").
         self.publisher.publish(weights, kind="weights", version=self.version,
-                               env_steps=self.env_steps, final=final, time=time.time())
+                               env_steps=self.env_steps, final=final, time=now, consumed=finished)
         if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event=event, version=self.version, time=time.time(),
                                        env_steps=self.env_steps, updates=self.updates)
+
+    def maybe_send_credit(self, min_interval_s: float = 0.2) -> None:
+        """lag_policy "pace": tell actors about rollouts finished (mostly dropped ones) since the last
+        weights message, so that none waits for a credit that only the next update would bring."""
+        if self.standard or self.cfg.trainer.lag_policy != "pace":
+            return
+        now = time.time()
+        with self._lock:
+            finished = list(self.finished_per_actor)
+        if finished != self._credit_sent and now - self._credit_time >= min_interval_s:
+            from tensordict import TensorDict
+            self.publisher.publish(TensorDict({}, []), kind="credit", consumed=finished, time=now)
+            self._credit_sent, self._credit_time = finished, now
 
     def take_batch(self, timeout_s: float = 0.05) -> tuple[TensorDictBase, list[dict]] | None:
         """The next `k` rollouts to train on ``[k, N, T]`` with their infos, or None if they are not
@@ -349,13 +417,76 @@ class Learner:
             self._drop(info, reason)
         self._pending = []
 
-    def update_once(self, data: TensorDictBase, infos: list[dict]) -> dict[str, float]:
-        """One PPO update on `k` rollouts ``[k, N, T]``; bumps the version and publishes."""
+    def _record(self, data: TensorDictBase, infos: list[dict], reward_std: float | None) -> None:
+        """Append the batch about to be trained on to RUN_DIR/record (``launch/replay.py`` reads it)."""
+        if reward_std is None and self.reward_scaler is not None:
+            reward_std = self.reward_scaler.std()
+        name = f"update_{self.updates + 1:07d}"
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        data.cpu().memmap(self.record_dir / name)
+        entry = {"update": self.updates + 1, "version": self.version, "dir": name, "reward_std": reward_std,
+                 "rollouts": [{k: i[k] for k in ("actor", "seq", "policy_version", "policy_version_max",
+                                                 "env_steps")} for i in infos]}
+        with open(self.record_dir / "index.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    @torch.no_grad()
+    def _evaluate_now(self, flat: TensorDictBase, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current policy's log-prob of the taken actions and V(s) on ``[B, T]`` data."""
+        self.policy.eval()
+        b = flat.reshape(-1)
+        logps, values = [], []
+        for start in range(0, b.shape[0], chunk):
+            logp, _, value = self.policy.evaluate_actions(b[start:start + chunk])
+            logps.append(logp)
+            values.append(value)
+        self.policy.train()
+        return torch.cat(logps).view(flat.shape), torch.cat(values).view(flat.shape)
+
+    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor) -> dict[str, float]:
+        """Set advantages and value targets on `flat` ``[B, T]`` with the configured off-policy
+        correction (``learner/vtrace.py``). Returns diagnostics for the log."""
+        a = self.algo
+        value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
+        terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
+        if a.correction == "none" and not a.recompute_values:
+            adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
+            flat.set(keys.ADVANTAGE, adv)
+            flat.set(keys.VALUE_TARGET, target)
+            return {}
+        logp_now, value_now = self._evaluate_now(flat)
+        next_now = current_values(value_now, next_value, done)
+        out = {"value_shift": float((value_now - value).abs().mean())}
+        if a.correction == "vtrace":
+            target, adv, rho = vtrace(flat[keys.LOG_PROB], logp_now, reward, value_now, next_now, terminated, done,
+                                      a.gamma, a.rho_bar, a.c_bar, a.vtrace_lambda)
+        else:
+            adv, target = compute_gae(reward, value_now, next_now, terminated, done, a.gamma, a.gae_lambda)
+            rho = (logp_now - flat[keys.LOG_PROB]).exp()
+            if a.correction == "is":
+                adv = adv * rho.clamp(max=a.rho_bar)
+        flat.set(keys.ADVANTAGE, adv)
+        flat.set(keys.VALUE_TARGET, target)
+        flat.set(keys.VALUE, value_now)          # value clipping (clip_vloss) around the current critic
+        if a.correction != "none":
+            # Decoupled PPO: clip the ratio against the policy at the start of this update.
+            flat.set(keys.LOG_PROB, logp_now)
+        out.update({"rho_mean": float(rho.mean()), "rho_max": float(rho.max()),
+                    "rho_clipped_frac": float((rho > a.rho_bar).float().mean())})
+        return out
+
+    def update_once(self, data: TensorDictBase, infos: list[dict], reward_std: float | None = None
+                    ) -> dict[str, float]:
+        """One update on `k` rollouts ``[k, N, T]``; bumps the version and publishes.
+
+        `reward_std` (replay only) replaces the reward scaler's running std with a recorded one."""
         t0 = time.perf_counter()
         a = self.algo
         lags = torch.cat([(self.version - data[i][keys.POLICY_VERSION]).reshape(-1) for i in range(len(infos))])
         for info in infos:
             self._version_event("consume", info)
+        if self.record_dir is not None:
+            self._record(data, infos, reward_std)
         data = data.to(self.device)
         flat = data.reshape(-1, data.shape[-1])            # [k*N, T]; GRPO groups stay within a rollout
         if a.anneal_lr:
@@ -372,12 +503,11 @@ class Learner:
         else:
             reward = flat[keys.REWARD]
             if self.reward_scaler is not None:
-                reward = self.reward_scaler.scale(reward)
-            adv, target = compute_gae(reward, flat[keys.VALUE], flat[keys.NEXT_VALUE], flat[keys.TERMINATED],
-                                      flat[keys.DONE], a.gamma, a.gae_lambda)
-            flat.set(keys.ADVANTAGE, adv)
-            flat.set(keys.VALUE_TARGET, target)
+                reward = self.reward_scaler.scale(reward) if reward_std is None else \
+                    self.reward_scaler.scale_by(reward, reward_std)
+            correction_stats = self._correct_and_advantages(flat, reward)
             stats = ppo_update(self.policy, self.optimizer, flat, a, self.generator)
+            stats.update(correction_stats)
         checked = {k: stats[k] for k in ("loss_policy", "value_loss", "grad_norm") if k in stats}
         if not all(math.isfinite(v) for v in checked.values()):
             raise FloatingPointError(f"non-finite loss at update {self.updates + 1} (version {self.version}): "
@@ -404,6 +534,8 @@ class Learner:
                  "clip_frac": "clip_frac", "grad_norm": "grad_norm", "explained_variance": "explained_variance",
                  "epochs": "epochs", "kl_ref": "kl_ref", "samples": "samples"}
         values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
+        values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift")
+                       if k in stats})
         values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
         values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None
@@ -417,6 +549,19 @@ class Learner:
         values.update({"perf/sps": env_steps / max(elapsed, 1e-9), "perf/update_s": update_s,
                        "perf/learner_wait_s": self._wait_s,
                        "perf/samples_per_update": float(lags.numel())})
+        rollouts = max(counts["rollouts"], 1)
+        values.update({"buffer/dropped_lag_share": counts["dropped_lag"] / rollouts,
+                       "buffer/overwritten_share": counts["overwritten"] / rollouts})
+        with self._lock:
+            per_actor, delays = list(self._steps_per_actor), self._sync_delays
+            self._sync_delays = []
+        (before, t_before), now = self._steps_at_log, time.time()
+        if now > t_before:
+            values.update({f"actors/{i}/sps": (s - b) / (now - t_before)
+                           for i, (s, b) in enumerate(zip(per_actor, before))})
+        self._steps_at_log = (per_actor, now)
+        if delays:
+            values.update({"sync/delay_s": sum(delays) / len(delays), "sync/delay_max_s": max(delays)})
         values.update({"buffer/fill": len(self.buffer), "buffer/dropped_lag": counts["dropped_lag"],
                        "buffer/overwritten": counts["overwritten"], "wire/malformed": counts["malformed"],
                        "wire/rejected": counts["rejected"]})
@@ -425,6 +570,8 @@ class Learner:
         if self.logger is not None:
             self.logger.scalars(env_steps, values, version=self.version, updates=self.updates)
             self.logger.histogram("lag/hist", lags, env_steps)
+            if delays:
+                self.logger.histogram("sync/delay_s", torch.tensor(delays), env_steps)
 
     def log_eval(self, meta: dict) -> None:
         if self.last_eval is not None and meta.get("version") == self.last_eval["version"]:

@@ -110,6 +110,7 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
                 continue
             batch = learner.take_batch(timeout_s=0.05)
             if batch is None:
+                learner.maybe_send_credit()
                 continue
             learner.update_once(*batch)
             learner.maybe_save()

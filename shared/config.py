@@ -37,6 +37,15 @@ class TrainerConfig:
     """Circular buffer capacity, in rollouts (vla mode)."""
     max_policy_lag: int = 4
     """vla mode: rollouts older than this many versions are dropped (counted)."""
+    lag_policy: Literal["drop", "pace"] = "drop"
+    """vla mode. drop: actors run free; data older than max_policy_lag is dropped (which favours
+    short episodes: long ones take longer to send). pace: an actor keeps at most
+    max(1, max_policy_lag x rollouts_per_update // num_actors) of its rollouts unconsumed at the
+    learner and waits for the learner before collecting more, so data arrives young instead of
+    being thrown away (anything older than max_policy_lag is still dropped)."""
+    record: bool = False
+    """Store every batch the learner trains on (tensordict memmap under RUN_DIR/record, with its
+    order and versions) so that ``launch/replay.py`` can retrain on exactly the same data."""
     rollouts_per_update: int = 0
     """Rollouts consumed by one update; 0 means one per actor (num_actors)."""
     eval_freq: int = 20_000
@@ -60,6 +69,9 @@ class ActorsConfig:
     """Actor i runs on devices[i % len(devices)]."""
     sync_every: int = 1
     """Take new weights at most every this many rollouts (newest version only)."""
+    weights_delay_s: float = 0.0
+    """Injected delay on weight delivery: an actor may only load a weights message that arrived at
+    least this many seconds ago (a controlled-staleness knob for studies)."""
     torch_threads: int = 1
     slowdown_s: float = 0.0
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
@@ -162,6 +174,21 @@ class PPOConfig(ClippedPGConfig):
     norm_adv: bool = True
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
+    correction: Literal["none", "is", "vtrace"] = "none"
+    """Off-policy correction for stale data (see ``learner/vtrace.py``). none: PPO's ratio on the
+    behaviour log-prob, GAE on the values the actor computed. is: the trust region is centred on
+    the current policy at the start of the update, and each advantage is weighted by the truncated
+    importance weight min(rho_bar, pi/mu) (decoupled PPO). vtrace: IMPALA's V-trace value targets
+    and advantages computed with the current networks, inside the same decoupled clipped update."""
+    rho_bar: float = 1.0
+    """Truncation of the importance weights in the advantage (is, vtrace)."""
+    c_bar: float = 1.0
+    """Truncation of the trace-cutting coefficients c (vtrace)."""
+    vtrace_lambda: float = 1.0
+    """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)."""
+    recompute_values: bool = False
+    """Recompute V(s) with the current critic before GAE, instead of the actor's (stale) values
+    (always on for vtrace)."""
 
 
 @dataclass
@@ -303,7 +330,7 @@ def _check(cfg: Config) -> list[str]:
                 "algorithm.cfg.learning_rate": alg.learning_rate,
                 **({"algorithm.cfg.group_size": alg.group_size} if grpo else {})}
     errors += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
-    non_negative = {"trainer.max_policy_lag": t.max_policy_lag, "trainer.eval_freq": t.eval_freq,
+    non_negative = {"trainer.max_policy_lag": t.max_policy_lag, "actors.weights_delay_s": a.weights_delay_s, "trainer.eval_freq": t.eval_freq,
                     "trainer.save_freq": t.save_freq, "trainer.rollouts_per_update": t.rollouts_per_update,
                     "actors.slowdown_s": a.slowdown_s, "actors.inference_latency_s": a.inference_latency_s,
                     "algorithm.cfg.ent_coef": alg.ent_coef,
@@ -313,6 +340,10 @@ def _check(cfg: Config) -> list[str]:
         non_negative.update({"algorithm.cfg.kl_coef": alg.kl_coef, "algorithm.cfg.eps": alg.eps})
     else:
         non_negative["algorithm.cfg.vf_coef"] = alg.vf_coef
+        positive_pg = {"algorithm.cfg.rho_bar": alg.rho_bar, "algorithm.cfg.c_bar": alg.c_bar}
+        errors += [f"{k}: must be > 0, got {v}" for k, v in positive_pg.items() if not v > 0]
+        if not 0.0 <= alg.vtrace_lambda <= 1.0:
+            errors.append(f"algorithm.cfg.vtrace_lambda: must be in [0, 1], got {alg.vtrace_lambda}")
     errors += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
     for k in ("gamma",) if grpo else ("gamma", "gae_lambda"):
         if not 0.0 <= getattr(alg, k) <= 1.0:

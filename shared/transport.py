@@ -103,10 +103,13 @@ class WeightsSubscriber:
         self.sock = _socket(ctx, zmq.SUB, RCVHWM=4)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
+        self.consumed: list | None = None
 
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
-        """The newest message that arrived (waiting up to `timeout_ms` for the first), decoded; or
-        None. Malformed messages are skipped (the learner is trusted, but a bug must not kill actors)."""
+        """The newest weights (or stop) message that arrived (waiting up to `timeout_ms` for the
+        first), decoded; or None. Malformed messages are skipped (the learner is trusted, but a bug
+        must not kill actors). The learner's per-actor ``consumed`` counts, carried by weights and
+        ``credit`` messages, are kept in :attr:`consumed` (for ``lag_policy: "pace"``)."""
         latest = None
         if not self.sock.poll(timeout_ms):
             return None
@@ -116,8 +119,12 @@ class WeightsSubscriber:
                 td, meta = wire.decode(frames)
             except wire.WireError:
                 continue
+            if isinstance(meta.get("consumed"), list):
+                self.consumed = meta["consumed"]
             if meta.get("kind") == "stop":
                 return td, meta  # a stop request wins over any weights queued before it
+            if meta.get("kind") == "credit":
+                continue
             latest = (td, meta)
         return latest
 

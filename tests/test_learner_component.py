@@ -289,7 +289,7 @@ def test_actor_abandons_a_rollout_on_stop_and_never_loads_weights_mid_rollout():
     assert actor.step_once() is False
     assert sink.messages == [] and actor.stop_event.is_set()
     assert actor.version == 0                       # the mid-rollout weights were kept, not loaded
-    assert actor._stash is not None and actor._stash[1]["version"] == 1
+    assert [m[1]["version"] for _, m in actor._incoming] == [1]
 
 
 def test_values_that_would_break_the_update_are_refused():
@@ -351,7 +351,7 @@ def test_standard_mode_actor_uses_weights_that_arrived_mid_rollout():
             return None
 
     actor.weights = Drained()
-    actor._between_steps()                                    # v1 arrives "mid-rollout": stashed
-    assert actor._stash is not None
+    actor._between_steps()                                    # v1 arrives "mid-rollout": queued
+    assert len(actor._incoming) == 1 and actor.version == 0
     assert actor.step_once() and not actor.failed             # no 2 s wait for a version it holds
     assert sink.messages[-1][1]["policy_version"] == 1

@@ -72,8 +72,15 @@ class RewardScaler:
         self._returns[actor] = ret
         self.stats.update(out)
 
+    def std(self) -> float:
+        """The divisor :meth:`scale` uses now."""
+        return float((self.stats.var + self.eps).sqrt())
+
     def scale(self, reward: torch.Tensor) -> torch.Tensor:
-        std = float((self.stats.var + self.eps).sqrt())
+        return self.scale_by(reward, self.std())
+
+    def scale_by(self, reward: torch.Tensor, std: float) -> torch.Tensor:
+        """Scale by a given std (a recorded one, when replaying)."""
         return (reward / std).clamp(-self.clip, self.clip)
 
     def state_dict(self) -> dict:

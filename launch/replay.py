@@ -1,0 +1,144 @@
+"""Retrain from a recorded run, deterministically, on exactly the data the learner trained on.
+
+    launch/run_local.sh --config configs/pendulum_ppo.json --out RUN --record --set trainer.buffer_type=vla
+    python launch/replay.py RUN [--out DIR] [--set algorithm.cfg.correction=vtrace ...] [--updates N]
+
+``--record`` makes the learner store every batch it trains on (``RUN/record/update_NNNNNNN``, a
+tensordict memmap ``[k, N, T]`` as received, with the weight versions that acted) and one line per
+update in ``RUN/record/index.jsonl`` (the learner's version before the update, the rollouts' actors,
+sequence numbers and versions, and the reward scaler's std at that moment). ``replay.py`` builds a
+fresh learner from ``RUN/config.json`` (plus ``--set`` overrides, e.g. another off-policy
+correction) and runs the same updates in the same order with the same versions, so lags are the
+recorded ones. The learner's seed fixes its initial weights and minibatch order, so replaying a
+record twice with the same overrides gives bit-identical weights; a different correction gives a
+comparison on exactly the same data. With ``--out`` it writes metrics.jsonl, versions.jsonl,
+TensorBoard events and a final checkpoint there; it always prints the final weights' SHA-256.
+Sampling decisions (what the actors did) are not replayed: the data is fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from learner.learner import Learner, ListPublisher  # noqa: E402
+from learner.logs import RunLogger  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.config import ConfigError, load_config, save_config  # noqa: E402
+
+
+class ReplayError(RuntimeError):
+    """The record is missing or inconsistent; the message names the file."""
+
+
+def read_index(record_dir: Path) -> list[dict]:
+    index = record_dir / "index.jsonl"
+    if not index.is_file():
+        raise ReplayError(f"{index}: no record index (was the run started with --record?)")
+    entries = []
+    for n, line in enumerate(index.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(index.read_text().splitlines()):
+                break   # a run killed while writing its last line
+            raise ReplayError(f"{index}:{n}: not JSON: {e}") from e
+    return entries
+
+
+def weights_digest(policy: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(policy.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _infos(entry: dict, data: TensorDict) -> list[dict]:
+    """The learner's per-rollout bookkeeping, rebuilt from the index and the data."""
+    infos = []
+    for i, r in enumerate(entry["rollouts"]):
+        versions = data[i][keys.POLICY_VERSION]
+        uniq, counts = torch.unique(versions, return_counts=True)
+        infos.append({"actor": r["actor"], "seq": r["seq"], "policy_version": int(versions.min()),
+                      "policy_version_max": int(versions.max()), "env_steps": versions.numel(),
+                      "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": 0,
+                      "episode_length_mean": None, "received": None, "sent": None})
+    return infos
+
+
+def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | None = None,
+           max_updates: int | None = None, progress: bool = False) -> Learner:
+    """Retrain on `run_dir`'s record; returns the learner after the last replayed update."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise ReplayError(f"{config_path}: not found (not a Tandem run directory?)")
+    cfg = load_config(config_path, overrides or [])
+    cfg.trainer.record = False
+    record_dir = run_dir / "record"
+    entries = read_index(record_dir)
+    if max_updates is not None:
+        entries = entries[:max_updates]
+    torch.set_num_threads(cfg.learner.torch_threads)   # as the learner process: same float sums, same bits
+    logger = None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.json")
+        logger = RunLogger(out_dir, config=cfg.to_dict())
+    learner = Learner(cfg, out_dir, ListPublisher(), logger=logger)
+    learner.publish()
+    t0 = time.time()
+    for n, entry in enumerate(entries, 1):
+        path = record_dir / entry["dir"]
+        try:
+            data = TensorDict.load_memmap(path)
+        except Exception as e:  # noqa: BLE001 - any failure to read is reported with its path
+            raise ReplayError(f"{path}: cannot load the recorded batch: {e}") from e
+        if entry["version"] < learner.version:
+            raise ReplayError(f"{record_dir / 'index.jsonl'}: update {entry['update']} has version "
+                              f"{entry['version']}, before the previous one ({learner.version})")
+        learner.version = entry["version"]       # a resumed run's record starts later
+        learner.update_once(data, _infos(entry, data), reward_std=entry.get("reward_std"))
+        learner.publisher.published.clear()      # nobody listens; keep memory flat
+        if progress and (n % 50 == 0 or n == len(entries)):
+            print(f"[replay] {n}/{len(entries)} updates, v{learner.version}, {time.time() - t0:.1f} s", flush=True)
+    if out_dir is not None:
+        learner.save()
+    return learner
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="write logs and a final checkpoint here")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. algorithm.cfg.correction=vtrace (repeatable)")
+    p.add_argument("--updates", type=int, default=None, help="replay only the first N updates")
+    args = p.parse_args(argv)
+    try:
+        learner = replay(args.run_dir, args.sets, args.out, args.updates, progress=True)
+    except (ReplayError, ConfigError) as e:
+        print(f"replay.py: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"updates": learner.updates, "version": learner.version,
+                      "env_steps_trained": learner.env_steps_trained,
+                      "weights_sha256": weights_digest(learner.policy)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
