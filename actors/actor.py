@@ -76,7 +76,12 @@ class Actor:
         self._consumed_base: int | None = None       # the learner's count for this id when we started
         t = cfg.trainer
         k = cfg.rollouts_per_update
-        self.max_inflight = max(1, math.ceil(max(1, t.max_policy_lag) * k / cfg.actors.num_actors))
+        n = cfg.actors.num_actors
+        # Enough in flight that the learner always has a full batch (n x ceil(k/n) >= k), no more
+        # than the lag allows, and no more than the learner's buffer holds (or pacing would still
+        # end in overwrites).
+        capacity = max(t.buffer_capacity, k)
+        self.max_inflight = max(math.ceil(k / n), min(math.ceil(max(1, t.max_policy_lag) * k / n), capacity // n))
         self.pace = t.buffer_type == "vla" and t.lag_policy == "pace"
 
     # ------------------------------------------------------------------ weights

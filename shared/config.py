@@ -40,9 +40,10 @@ class TrainerConfig:
     lag_policy: Literal["drop", "pace"] = "drop"
     """vla mode. drop: actors run free; data older than max_policy_lag is dropped (which favours
     short episodes: long ones take longer to send). pace: an actor keeps at most
-    max(1, max_policy_lag x rollouts_per_update // num_actors) of its rollouts unconsumed at the
-    learner and waits for the learner before collecting more, so data arrives young instead of
-    being thrown away (anything older than max_policy_lag is still dropped)."""
+    min(ceil(max_policy_lag x rollouts_per_update / num_actors), buffer_capacity // num_actors) of
+    its rollouts unconsumed at the learner (never fewer than one update needs) and waits for the
+    learner before collecting more, so data arrives young instead of being thrown away or
+    overwritten (anything older than max_policy_lag is still dropped)."""
     record: bool = False
     """Store every batch the learner trains on (tensordict memmap under RUN_DIR/record, with its
     order and versions) so that ``launch/replay.py`` can retrain on exactly the same data."""

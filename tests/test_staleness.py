@@ -1,0 +1,214 @@
+"""Staleness accounting and tools: exact lag numbers in versions.jsonl, sync delays, pacing,
+delayed weights, off-policy corrections inside the learner, record/replay and the report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.actor import Actor
+from learner.learner import Learner, ListPublisher
+from learner.logs import RunLogger, read_jsonl
+from shared import keys
+from tests.test_learner_component import CaptureSink, PublisherSource, small_config
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "launch"))
+import replay as replay_tool  # noqa: E402
+import staleness as report_tool  # noqa: E402
+
+
+def _vla_learner(tmp_path, record=False, **algo):
+    cfg = small_config(buffer_type="vla", max_policy_lag=3, buffer_capacity=8, record=record)
+    for k, v in algo.items():
+        setattr(cfg.algorithm.cfg, k, v)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    logger = RunLogger(tmp_path, use_tensorboard=False)
+    learner = Learner(cfg, tmp_path, ListPublisher(), logger=logger)
+    learner.publish()
+    return cfg, learner
+
+
+def _rollout(cfg, learner, versions: torch.Tensor):
+    """One real rollout (a real actor acting with the learner's weights), restamped with `versions`
+    ([N, T]): a deterministic fake actor whose steps were acted by known versions."""
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(learner.publisher), sink)
+    assert actor.step_once()
+    td, meta = sink.messages[-1]
+    td[keys.POLICY_VERSION] = versions.clone()
+    return td, meta
+
+
+def test_versions_jsonl_lag_numbers_match_the_versions_used(tmp_path):
+    cfg, learner = _vla_learner(tmp_path)
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    expected = []                # (event, lag histogram) in the order the lines are written
+    for step in range(6):
+        # versions spread over the last three, different per env and step: lags 0..3 at consumption
+        v = learner.version
+        versions = (v - (torch.arange(n * t).reshape(n, t) * 7 + step) % 3).clamp(min=0)
+        td, meta = _rollout(cfg, learner, versions)
+        learner.ingest(td, {**meta, "seq": step})
+        batch = learner.take_batch(timeout_s=0)
+        assert batch is not None
+        lags = (learner.version - versions).flatten()
+        expected.append(("consume", [[int(x), int((lags == x).sum())] for x in lags.unique()]))
+        learner.update_once(*batch)
+    # a rollout that is too old when it arrives: dropped for lag, and its lags are logged too
+    old = torch.zeros(n, t, dtype=torch.int64)
+    td, meta = _rollout(cfg, learner, old)
+    learner.ingest(td, {**meta, "seq": 99})
+    expected.append(("drop", [[learner.version, n * t]]))
+    lines = [x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] in ("consume", "drop")]
+    assert [x["event"] for x in lines] == [e for e, _ in expected]
+    for line, (_, hist) in zip(lines, expected):
+        assert sorted(line["lag_hist"]) == hist
+        lags = [lag for lag, c in hist for _ in range(c)]
+        assert line["lag"] == max(lags) and line["lag_min"] == min(lags)
+        assert line["lag_mean"] == pytest.approx(sum(lags) / len(lags))
+        assert line["learner_version"] - line["policy_version"] == line["lag"]
+    assert lines[-1]["reason"] == "lag"
+    # the TensorBoard/metrics lag numbers are the same samples' numbers
+    metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "lag/mean" in m]
+    for m, (_, hist) in zip(metrics, expected):
+        lags = [lag for lag, c in hist for _ in range(c)]
+        assert m["lag/mean"] == pytest.approx(sum(lags) / len(lags)) and m["lag/max"] == max(lags)
+
+
+def test_sync_delay_is_publish_to_first_action(tmp_path):
+    cfg, learner = _vla_learner(tmp_path)
+    published = learner.publish_times[0]
+    td, meta = _rollout(cfg, learner, torch.zeros(cfg.actors.num_envs, cfg.trainer.buffer_size, dtype=torch.int64))
+    (version, received, acted), = meta["synced"]       # the actor reports the version it started with
+    assert version == 0 and published <= received <= acted
+    learner.ingest(td, meta)
+    sync = [x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] == "sync"]
+    assert len(sync) == 1 and sync[0]["delay_s"] == pytest.approx(acted - published)
+    # ill-typed reports from a peer are ignored, never logged or fatal
+    learner._note_syncs(0, [["x", 1, 2], [0, "a", 1.0], [10**9, 1.0, 2.0], "junk"])
+    assert len([x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] == "sync"]) == 1
+
+
+def test_delayed_weights_are_loaded_only_once_old_enough():
+    cfg = small_config(buffer_type="vla")
+    cfg.actors.weights_delay_s = 0.3
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+    actor = Actor(cfg, 0, PublisherSource(pub), CaptureSink())
+    t0 = time.time()
+    assert actor._wait_for_version(-1)
+    assert actor.version == 0 and time.time() - t0 >= 0.3
+
+
+def test_pace_waits_for_the_learner_instead_of_running_ahead():
+    cfg = small_config(buffer_type="vla", lag_policy="pace", max_policy_lag=2, buffer_capacity=8)
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+
+    class Source(PublisherSource):      # also carries the learner's per-actor counts, as the socket does
+        consumed = None
+
+        def newest(self, timeout_ms=0):
+            msg = super().newest(timeout_ms)
+            if msg is not None:
+                self.consumed = msg[1].get("consumed")
+            return msg
+
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, Source(pub), sink, learner_timeout_s=0.5)
+    assert actor.max_inflight == 2      # ceil(max_policy_lag x k / num_actors), k = 1
+    assert actor.step_once() and actor.step_once()
+    assert actor._inflight() == 2
+    assert not actor.step_once() and actor.failed and len(sink.messages) == 2   # waited; nobody consumed
+    # once the learner consumes one, the actor may send one more
+    actor.failed = False
+    actor.stop_event.clear()
+    learner.ingest(*sink.messages[0])
+    learner.update_once(*learner.take_batch(timeout_s=0))
+    assert actor.step_once() and len(sink.messages) == 3
+
+
+@pytest.mark.parametrize("correction", ["none", "is", "vtrace"])
+def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction):
+    """On-policy data (standard mode) with rho_bar = c_bar = 1: every correction gives the same
+    first update (V-trace's targets are then GAE(1) targets, so compare with gae_lambda = 1)."""
+    results = []
+    for corr in ("none", correction):
+        cfg = small_config()
+        cfg.algorithm.cfg.gae_lambda = 1.0
+        cfg.algorithm.cfg.correction = corr
+        pub = ListPublisher()
+        learner = Learner(cfg, run_dir=None, publisher=pub)
+        learner.publish()
+        sink = CaptureSink()
+        actor = Actor(cfg, 0, PublisherSource(pub), sink)
+        assert actor.step_once()
+        learner.ingest(*sink.messages[-1])
+        learner.update_once(*learner.take_batch(timeout_s=0))
+        results.append(learner.policy.state_dict())
+    for k in results[0]:
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-4, atol=1e-5)
+
+
+def test_corrections_differ_on_stale_data_and_report_weights(tmp_path):
+    stats = {}
+    for corr in ("none", "vtrace"):
+        cfg, learner = _vla_learner(tmp_path / corr, correction=corr)
+        td, meta = _rollout(cfg, learner, torch.zeros(cfg.actors.num_envs, cfg.trainer.buffer_size,
+                                                        dtype=torch.int64))
+        for _ in range(3):             # the learner moves on: the rollout is now 3 versions old
+            learner.ingest(td.clone(), meta)
+            learner.update_once(*learner.take_batch(timeout_s=0))
+        learner.ingest(td.clone(), meta)
+        stats[corr] = learner.update_once(*learner.take_batch(timeout_s=0))
+    assert "rho_mean" not in stats["none"]
+    assert stats["vtrace"]["rho_mean"] != pytest.approx(1.0, abs=1e-4)
+    assert 0 <= stats["vtrace"]["rho_clipped_frac"] <= 1
+
+
+@pytest.mark.slow
+def test_record_replay_report_on_a_real_run(tmp_path):
+    """A small real run (learner + 2 actors, vla, sync_every 3, V-trace, --record) through the launcher;
+    replaying its record twice gives identical weights, equal to the run's own final weights; the
+    report tool writes every figure from it."""
+    run = tmp_path / "run"
+    cmd = ["bash", str(ROOT / "launch" / "run_local.sh"), "--steps", "6000", "--out", str(run), "--record",
+           "--set", "trainer.buffer_type=vla", "--set", "actors.sync_every=3", "--set", "trainer.max_policy_lag=20",
+           "--set", "trainer.lag_policy=pace", "--set", "algorithm.cfg.correction=vtrace",
+           "--set", "trainer.eval_freq=2000", "--set", "algorithm.cfg.n_epochs=2"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    index = replay_tool.read_index(run / "record")
+    consumed = [x for x in read_jsonl(run / "versions.jsonl") if x["event"] == "consume"]
+    assert sum(len(e["rollouts"]) for e in index) == len(consumed) > 0
+    first = replay_tool.replay(run)
+    second = replay_tool.replay(run)
+    digest = replay_tool.weights_digest(first.policy)
+    assert digest == replay_tool.weights_digest(second.policy)
+    final = torch.load(sorted((run / "checkpoints").glob("*.pt"))[-1], weights_only=True)
+    assert final["version"] == first.version
+
+    class _Sd(torch.nn.Module):
+        def state_dict(self, *a, **k):
+            return final["policy"]
+    assert replay_tool.weights_digest(_Sd()) == digest     # the replay is the run, bit for bit
+    other = replay_tool.replay(run, ["algorithm.cfg.correction=none"])
+    assert replay_tool.weights_digest(other.policy) != digest
+    assert any(x["event"] == "sync" for x in read_jsonl(run / "versions.jsonl"))
+    written = report_tool.write_report([report_tool.load_run(run)], tmp_path / "report")
+    names = {p.name for p in written}
+    assert {"lag_histogram.png", "lag_over_time.png", "return_vs_steps.png", "return_vs_time.png",
+            "actor_throughput.png", "sync_delay.png", "dropped_episode_bias.png", "return_vs_lag.png",
+            "report.md"} <= names
+    for p in written:
+        assert p.stat().st_size > 1000
+    assert "no sync events" not in (tmp_path / "report" / "report.md").read_text()

@@ -1,0 +1,162 @@
+"""launch/staleness.py on small synthetic run directories: every figure is written, the table's numbers are
+the ones constructed, and missing data or a missing run directory is handled."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("staleness", ROOT / "launch" / "staleness.py")
+staleness = importlib.util.module_from_spec(SPEC)
+sys.modules["staleness"] = staleness  # dataclasses look the module up while the class is created
+SPEC.loader.exec_module(staleness)
+
+pytestmark = pytest.mark.timeout(60)
+
+FIGURES = ["lag_histogram.png", "lag_over_time.png", "return_vs_steps.png", "return_vs_time.png",
+           "actor_throughput.png", "sync_delay.png", "dropped_episode_bias.png", "return_vs_lag.png"]
+T0 = 1_800_000_000.0
+STEPS = 64  # env steps per rollout
+DROP_REASONS = ["lag", "stale", "overwritten", "shutdown", "lag"]
+
+
+def write_run(run_dir: Path, *, n_rollouts: int, correction: str, drops: list[str], syncs: bool,
+              lag_hist: bool = True, truncated: bool = True) -> dict[str, float]:
+    """Write a run directory with `n_rollouts` consumed rollouts from 2 actors at known lags, a drop line per
+    reason in `drops`, sync lines if `syncs`, 4 evaluations, and (if `truncated`) a cut-off last line in
+    versions.jsonl. Returns the mean lag and lag-dropped share the report must show."""
+    run_dir.mkdir(parents=True)
+    config = {"trainer": {"exp_name": "synthetic", "seed": 1, "buffer_type": "fifo", "max_policy_lag": 4,
+                          "lag_policy": "drop"},
+              "actors": {"num_actors": 2, "sync_every": 1, "weights_delay_s": 0.0},
+              "algorithm": {"name": "ppo", "cfg": {"correction": correction}}, "env": {"id": "CartPole-v1"}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    versions = [{"event": "publish", "version": 0, "time": T0, "env_steps": 0, "updates": 0}]
+    lag_total = samples = 0
+    for i in range(n_rollouts):
+        low = i % 3  # samples at lags low (40 of them) and low + 1 (24)
+        t = T0 + 1 + i
+        rollout = {"event": "consume", "time": t, "actor": i % 2, "seq": i // 2, "policy_version": i,
+                   "learner_version": i + low + 1, "lag": low + 1, "lag_min": low, "lag_mean": low + 24 / STEPS,
+                   "env_steps": STEPS, "episodes": 2, "episode_length_mean": 32.0, "received": t - 0.2,
+                   "sent": t - 0.25}
+        if lag_hist:
+            rollout["lag_hist"] = [[low, 40], [low + 1, 24]]
+            lag_total += low * 40 + (low + 1) * 24
+        else:  # old runs: the report counts every sample at lag_mean rounded
+            lag_total += round(low + 24 / STEPS) * STEPS
+        samples += STEPS
+        versions.append(rollout)
+        versions.append({"event": "publish", "version": i + 1, "time": t + 0.5, "env_steps": (i + 1) * STEPS,
+                         "updates": i + 1})
+        if syncs:
+            for actor in (0, 1):
+                delay = 0.01 * (actor + 1)
+                versions.append({"event": "sync", "actor": actor, "version": i + 1, "time": t + 0.5 + delay,
+                                 "published": t + 0.5, "received": t + 0.505, "delay_s": delay})
+    for k, reason in enumerate(drops):
+        versions.append({"event": "drop", "reason": reason, "time": T0 + 2 + k, "actor": k % 2, "seq": 100 + k,
+                         "policy_version": 0, "learner_version": 5, "lag": 5, "lag_min": 5, "lag_mean": 5.0,
+                         "env_steps": STEPS, "episodes": 4, "episode_length_mean": 10.0, "received": T0 + 1.5 + k,
+                         "sent": None})
+    lines = [json.dumps(v) for v in versions]
+    text = "\n".join(lines) + "\n"
+    if truncated:
+        text += '{"event": "consume", "time": 17'  # what a killed run leaves
+    (run_dir / "versions.jsonl").write_text(text)
+    metrics = [{"version": i + 1, "updates": i + 1, "env_steps": (i + 1) * STEPS, "time": T0 + 1.6 + i,
+                "lag/mean": 1.0, "lag/max": 3, "perf/sps": 100.0} for i in range(n_rollouts)]
+    for j in range(4):
+        metrics.append({"eval/return_mean": 100.0 * (j + 1), "eval/return_std": 5.0, "env_steps": 200 * (j + 1),
+                        "time": T0 + 5 * (j + 1)})
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+    received = n_rollouts + len(drops)
+    return {"mean_lag": lag_total / samples,
+            "lag_drop_share": sum(r in ("lag", "stale") for r in drops) / received}
+
+
+def table(report: str) -> dict[str, dict[str, str]]:
+    """The report's summary table: run label -> column header -> cell."""
+    rows = [line for line in report.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    return {cells[0]: dict(zip(header, cells)) for cells in
+            ([c.strip() for c in row.strip("|").split("|")] for row in rows[1:])}
+
+
+def assert_figures(out: Path) -> None:
+    for name in FIGURES:
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
+        assert len(data) > 5_000, name
+
+
+def test_two_runs(tmp_path: Path) -> None:
+    expected_a = write_run(tmp_path / "a", n_rollouts=30, correction="none", drops=DROP_REASONS, syncs=True)
+    expected_b = write_run(tmp_path / "b", n_rollouts=20, correction="vtrace", drops=[], syncs=False,
+                           lag_hist=False, truncated=False)
+    runs = [staleness.load_run(tmp_path / "a", "run A"), staleness.load_run(tmp_path / "b", "run B")]
+    assert len(runs[0].consumed) == 30  # the truncated line is skipped
+    out = tmp_path / "report"
+    written = staleness.write_report(runs, out)
+    assert sorted(p.name for p in written) == sorted([*FIGURES, "report.md"])
+    assert all(p.parent == out for p in written)
+    assert_figures(out)
+
+    report = (out / "report.md").read_text()
+    rows = table(report)
+    assert set(rows) == {"run A", "run B"}
+    assert rows["run A"]["mean lag"] == f"{expected_a['mean_lag']:.2f}"
+    assert rows["run B"]["mean lag"] == f"{expected_b['mean_lag']:.2f}"
+    assert rows["run A"]["dropped (lag)"] == f"{100 * expected_a['lag_drop_share']:.1f}%"
+    assert rows["run A"]["overwritten"] == f"{100 / 35:.1f}%"
+    assert rows["run B"]["dropped (lag)"] == "0.0%"
+    assert rows["run A"]["max lag"] == "3"
+    assert rows["run A"]["final return"] == "300.0"  # mean of the last 3 evals: 200, 300, 400
+    assert rows["run A"]["sync delay (ms)"] == "15.0"
+    assert rows["run A"]["episode length consumed / dropped"] == "32.0 / 10.0"
+    assert rows["run B"]["correction"] == "vtrace"
+    assert "skipped 1 line(s) of versions.jsonl" in report
+    assert "no sync events recorded" in report and "nothing dropped" in report
+    for name in FIGURES:
+        assert f"]({name})" in report
+
+
+def test_main_single_run_without_syncs_or_drops(tmp_path: Path) -> None:
+    run = tmp_path / "quiet"
+    write_run(run, n_rollouts=12, correction="is", drops=[], syncs=False)
+    assert staleness.main([str(run)]) == 0
+    out = run / "staleness_report"
+    assert_figures(out)
+    report = (out / "report.md").read_text()
+    assert "| quiet |" in report
+    assert "no sync events recorded" in report and "nothing dropped" in report
+
+
+def test_metrics_only_run_still_gets_every_figure(tmp_path: Path) -> None:
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"eval/return_mean": 1.0, "env_steps": 10, "time": T0}) + "\n")
+    out = tmp_path / "out"
+    assert staleness.main([str(run), "--out", str(out), "--labels", "legacy"]) == 0
+    assert_figures(out)
+    report = (out / "report.md").read_text()
+    assert "| legacy |" in report
+    assert "versions.jsonl missing" in report and "config.json missing" in report
+
+
+def test_unusable_run_dir_exits_non_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "does_not_exist"
+    assert staleness.main([str(missing)]) != 0
+    assert str(missing) in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert staleness.main([str(empty)]) != 0
+    assert str(empty) in capsys.readouterr().err
+    assert not (empty / "staleness_report").exists()
+    with pytest.raises(SystemExit):
+        staleness.main([str(empty), "--labels", "x,y"])
