@@ -43,8 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 1
     from actors.actor import run_actor_process
-    return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
-                             learner_timeout_s=args.learner_timeout)
+    from shared.security import KeyFileError
+    try:
+        return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
+                                 learner_timeout_s=args.learner_timeout)
+    except KeyFileError as e:
+        print(f"actor {args.actor_id}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

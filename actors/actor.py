@@ -24,6 +24,7 @@ from shared import wire
 from shared.config import Config
 from shared.envs import make_env
 from shared.policies import load_weights_, make_policy
+from shared.security import client_from_config
 from shared.transport import RolloutPusher, WeightsSubscriber
 
 log = logging.getLogger("tandem.actor")
@@ -262,9 +263,10 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    curve = client_from_config(cfg)   # bad key files fail here, before any socket exists
     ctx = zmq.Context()
-    sub = WeightsSubscriber(ctx, endpoints["weights"])
-    push = RolloutPusher(ctx, endpoints["rollouts"])
+    sub = WeightsSubscriber(ctx, endpoints["weights"], curve=curve)
+    push = RolloutPusher(ctx, endpoints["rollouts"], curve=curve)
     actor = None
     try:
         actor = Actor(cfg, actor_id, sub, push, device=device, stop_event=stop,

@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         print("--resume needs --run-dir (the run to continue)", file=sys.stderr)
         return 2
     from learner.process import run_learner_process
+    from shared.security import KeyFileError
     try:
         return run_learner_process(cfg, args.run_dir or default_run_dir(cfg), resume=args.resume,
                                    evaluator=not args.no_eval, discard=args.discard)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, KeyFileError) as e:
         print(e, file=sys.stderr)
         return 2
 

@@ -19,6 +19,7 @@ from shared import keys, wire
 from shared.config import Config, config_from_dict
 from shared.envs import make_env
 from shared.policies import load_weights_, make_policy
+from shared.security import CurveClient
 from shared.transport import RolloutPusher, WeightsSubscriber
 
 
@@ -55,7 +56,8 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
             [x for x in successes if x is not None][:num_episodes])
 
 
-def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int) -> None:
+def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int,
+                  curve: dict[str, str] | None = None) -> None:
     """Entry point of the evaluator process (spawned by the learner)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C reaches the learner; it stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end at once, even mid-evaluation
@@ -65,8 +67,9 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu")
     policy = make_policy(cfg, env.spec).eval()
     ctx = zmq.Context()
-    sub = WeightsSubscriber(ctx, endpoints["weights"])
-    push = RolloutPusher(ctx, endpoints["rollouts"], hwm=16)
+    client = CurveClient.from_strings(curve) if curve is not None else None
+    sub = WeightsSubscriber(ctx, endpoints["weights"], curve=client)
+    push = RolloutPusher(ctx, endpoints["rollouts"], hwm=16, curve=client)
     next_eval = t.eval_freq
     count = 0
     last: dict | None = None   # the last result, reused when the final weights were already evaluated

@@ -166,6 +166,7 @@ class Learner:
         self.publish_times: dict[int, float] = {}   # version -> wall time it was published (recent ones)
         self._credit_sent: list[int] = []
         self._credit_time = 0.0
+        self.curve = None                           # a shared.security.CurveServer, set by the learner process
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
@@ -565,6 +566,8 @@ class Learner:
         values.update({"buffer/fill": len(self.buffer), "buffer/dropped_lag": counts["dropped_lag"],
                        "buffer/overwritten": counts["overwritten"], "wire/malformed": counts["malformed"],
                        "wire/rejected": counts["rejected"]})
+        if self.curve is not None:
+            values["wire/auth_refused"] = self.curve.refused
         self._wait_s = 0.0
         self.last_update_values = values
         if self.logger is not None:

@@ -19,9 +19,24 @@ from learner.learner import Learner, RejectedMessage
 from learner.logs import RunLogger
 from shared import wire
 from shared.config import Config, save_config
+from shared.security import server_from_config
 from shared.transport import WeightsPublisher, bind, write_endpoints
 
 log = logging.getLogger("tandem.learner")
+
+
+def _sender(frames: list) -> str:
+    """Who sent a message, as far as ZeroMQ knows: its address, and its CURVE key when it has one."""
+    try:
+        address = frames[0].get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, IndexError):
+        return "an unknown peer on the rollout socket"
+    try:
+        user = frames[0].get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        user = ""
+    address = f"tcp://{address}" if address and "://" not in address else address or "an unknown peer"
+    return address + (f" (key {user})" if user else "")
 
 
 def _receive_loop(learner: Learner, sock: zmq.Socket, stop: threading.Event) -> None:
@@ -36,7 +51,7 @@ def _receive_loop(learner: Learner, sock: zmq.Socket, stop: threading.Event) -> 
         try:
             td, meta = wire.decode(frames)
         except wire.WireError as e:
-            learner.note_malformed("a peer on the rollout socket", str(e))
+            learner.note_malformed(_sender(frames), str(e))
             continue
         try:
             learner.ingest(td, meta)
@@ -68,16 +83,25 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
 
+    curve = server_from_config(cfg)   # bad key files fail here, before any socket exists
     ctx = zmq.Context()
+    if curve is not None:
+        curve.start(ctx)
+    elif cfg.learner.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("learner.host is %s and CURVE is off: anyone who can reach these ports can send "
+                    "rollouts and read the weights (see README: running across hosts)", cfg.learner.host)
     pull = ctx.socket(zmq.PULL)
+    if curve is not None:
+        curve.apply(pull)
     pull.setsockopt(zmq.LINGER, 0)
     pull.setsockopt(zmq.RCVHWM, cfg.learner.recv_hwm)
     pull.setsockopt(zmq.MAXMSGSIZE, 1 << 34)
     rollouts_ep = bind(pull, cfg.learner.host, cfg.learner.rollout_port)
-    publisher = WeightsPublisher(ctx, cfg.learner.host, cfg.learner.weights_port)
+    publisher = WeightsPublisher(ctx, cfg.learner.host, cfg.learner.weights_port, curve=curve)
     endpoints = {"rollouts": rollouts_ep, "weights": publisher.endpoint}
     logger = RunLogger(run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict())
     learner = Learner(cfg, run_dir, publisher, resume=resume, logger=logger, discard=discard)
+    learner.curve = curve
     write_endpoints(run_dir, **endpoints)
     print(f"[learner] run dir {run_dir} | rollouts {rollouts_ep} | weights {publisher.endpoint} | "
           f"mode {cfg.trainer.buffer_type} | {cfg.env.id}" + (f" | resumed at v{learner.version}" if resume else ""),
@@ -86,7 +110,9 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     eval_proc = None
     if evaluator and not discard:
         eval_proc = mp.get_context("spawn").Process(
-            target=run_evaluator, args=(cfg.to_dict(), cfg.source, endpoints, os.getpid()), daemon=True,
+            target=run_evaluator, args=(cfg.to_dict(), cfg.source, endpoints, os.getpid(),
+                                        curve.client_for_child().to_strings() if curve is not None else None),
+            daemon=True,
             name="tandem-evaluator")
         eval_proc.start()
 
@@ -168,6 +194,8 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         time.sleep(0.2)  # let the stop messages leave
         publisher.close()
         pull.close(linger=0)
+        if curve is not None:
+            curve.stop()
         ctx.term()
         (run_dir / "endpoints.json").unlink(missing_ok=True)
     return exit_code

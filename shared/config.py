@@ -81,6 +81,11 @@ class ActorsConfig:
     (a VLA's forward pass can take a second); the actor's CPU stays free meanwhile."""
     slow_actor_ids: list[int] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
+    curve_secret_key: str = ""
+    """CURVE: this actor host's secret certificate (its public half must be in the learner's
+    curve_authorized_keys)."""
+    curve_server_key: str = ""
+    """CURVE: the learner's public certificate."""
 
 
 @dataclass
@@ -94,6 +99,11 @@ class LearnerConfig:
     torch_threads: int = 1
     recv_hwm: int = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
+    curve_secret_key: str = ""
+    """CURVE: the learner's secret certificate (``launch/make_keys.py``). Set, both learner sockets
+    encrypt and admit only the clients in `curve_authorized_keys`. Empty: no CURVE (one host)."""
+    curve_authorized_keys: str = ""
+    """CURVE: a directory of the public certificates (``*.key``) of the actors allowed to connect."""
 
 
 @dataclass
@@ -357,6 +367,13 @@ def _check(cfg: Config) -> list[str]:
                       f"algorithm.name is \"grpo\")")
     if not a.devices:
         errors.append("actors.devices: must name at least one device, e.g. [\"cpu\"]")
+    if bool(le.curve_secret_key) != bool(le.curve_authorized_keys):
+        errors.append("learner.curve_secret_key / learner.curve_authorized_keys: set both (CURVE on) or neither")
+    if bool(a.curve_secret_key) != bool(a.curve_server_key):
+        errors.append("actors.curve_secret_key / actors.curve_server_key: set both (CURVE on) or neither")
+    if le.curve_secret_key and not a.curve_secret_key:
+        errors.append("actors.curve_secret_key: the learner requires CURVE (learner.curve_secret_key is set), "
+                      "so actors need keys too")
     for i, dev in enumerate([*a.devices, le.device]):
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
             where = f"actors.devices[{i}]" if i < len(a.devices) else "learner.device"

@@ -66,8 +66,10 @@ def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
 class WeightsPublisher:
     """XPUB socket: publishes weights, re-sends the latest to every new subscriber."""
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int = 0):
+    def __init__(self, ctx: zmq.Context, host: str, port: int = 0, curve: Any = None):
         self.sock = _socket(ctx, zmq.XPUB, SNDHWM=8, XPUB_VERBOSE=1)
+        if curve is not None:      # a shared.security.CurveServer
+            curve.apply(self.sock)
         self.endpoint = bind(self.sock, host, port)
         self._last: list | None = None
         self.subscribers_seen = 0
@@ -99,8 +101,10 @@ class WeightsPublisher:
 class WeightsSubscriber:
     """SUB socket on the learner's weights; :meth:`newest` drains and keeps only the last message."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: Any = None):
         self.sock = _socket(ctx, zmq.SUB, RCVHWM=4)
+        if curve is not None:      # a shared.security.CurveClient
+            curve.apply(self.sock)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
         self.consumed: list | None = None
@@ -136,8 +140,10 @@ class RolloutPusher:
     """PUSH socket to the learner. Sends without copying and tracks when ZeroMQ is done with the
     memory, so the caller never overwrites a rollout that is still being sent."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, hwm: int = 4):
+    def __init__(self, ctx: zmq.Context, endpoint: str, hwm: int = 4, curve: Any = None):
         self.sock = _socket(ctx, zmq.PUSH, SNDHWM=hwm)
+        if curve is not None:      # a shared.security.CurveClient
+            curve.apply(self.sock)
         self.sock.connect(endpoint)
 
     def send(self, frames: list, timeout_ms: int) -> zmq.MessageTracker | None:
