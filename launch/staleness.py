@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -560,27 +561,62 @@ def plot_dropped_episode_bias(runs: Sequence[Run], colours: Sequence[Colour]) ->
     return fig
 
 
-def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
-    """Figure 7: final return against sample-weighted mean lag, a marker per run coloured by correction
-    (`colours`, the run colours, are not used here)."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    groups: dict[str, list[tuple[float, float, str]]] = {}
+def seed_groups(runs: Sequence[Run]) -> list[tuple[str, list[Run]]]:
+    """Runs of one setting over several seeds, grouped. Labels ending in a seed suffix (``_s2``,
+    ``-seed2``, as ``sweep_staleness.sh`` names runs) group by the label without it; other runs
+    group by their config without ``trainer.seed`` (and where the run was written)."""
+    groups: dict[str, tuple[str, list[Run]]] = {}
     for run in runs:
-        if run.mean_lag is not None and run.final_return is not None:
-            groups.setdefault(run.correction, []).append((run.mean_lag, run.final_return, run.label))
+        stripped = re.sub(r"[_-](s|seed)\d+$", "", run.label)
+        if stripped and stripped != run.label:
+            key, label = "label:" + stripped, stripped
+        else:
+            cfg = json.loads(json.dumps(run.config))
+            for name in ("seed", "output_dir", "exp_name"):
+                cfg.get("trainer", {}).pop(name, None)
+            key, label = "config:" + json.dumps(cfg, sort_keys=True), run.label
+        groups.setdefault(key, (label, []))[1].append(run)
+    return list(groups.values())
+
+
+def group_stats(members: Sequence[Run]) -> tuple[float, float, float, float, int] | None:
+    """(mean lag, mean final return, std of final return, std of mean lag, n) over runs with both."""
+    pts = [(r.mean_lag, r.final_return) for r in members if r.mean_lag is not None and r.final_return is not None]
+    if not pts:
+        return None
+    lag, ret = np.array(pts, dtype=float).T
+    return float(lag.mean()), float(ret.mean()), float(ret.std()), float(lag.std()), len(pts)
+
+
+def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
+    """Figure 7: final return against sample-weighted mean lag, coloured by correction (`colours`, the
+    run colours, are not used here). Runs that differ only in their seed are one point: the mean, with
+    a bar of +-1 std over seeds; each seed is a small faint marker."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    by_correction: dict[str, list[tuple[float, float, float, float, int, str, list[Run]]]] = {}
+    for label, members in seed_groups(runs):
+        stats = group_stats(members)
+        if stats is not None:
+            by_correction.setdefault(members[0].correction, []).append((*stats, label, list(members)))
     cmap = plt.get_cmap("Dark2")
-    for i, (correction, points) in enumerate(sorted(groups.items())):
-        points.sort()
-        lag, ret, _ = zip(*points)
-        ax.plot(lag, ret, color=cmap(i % cmap.N), marker=CORRECTION_MARKERS[i % len(CORRECTION_MARKERS)],
-                markersize=8, linewidth=1.4, label=correction)
-        for x, y, label in points:
-            ax.annotate(label, (x, y), xytext=(5, 5), textcoords="offset points", fontsize=8)
+    for i, (correction, points) in enumerate(sorted(by_correction.items())):
+        points.sort(key=lambda p: p[0])
+        colour, marker = cmap(i % cmap.N), CORRECTION_MARKERS[i % len(CORRECTION_MARKERS)]
+        for *_, members in points:
+            xs = [r.mean_lag for r in members if r.mean_lag is not None and r.final_return is not None]
+            ys = [r.final_return for r in members if r.mean_lag is not None and r.final_return is not None]
+            ax.scatter(xs, ys, color=colour, marker=marker, s=18, alpha=0.3, linewidths=0)
+        lag, ret, std, _, _, _, _ = zip(*points)
+        ax.errorbar(lag, ret, yerr=std, color=colour, marker=marker, markersize=8, linewidth=1.6, capsize=4,
+                    label=correction)
+        for x, y, _, _, n, label, _ in points:
+            ax.annotate(label + (f" (n={n})" if n > 1 else ""), (x, y), xytext=(5, 5), textcoords="offset points",
+                        fontsize=8)
     _note_missing(ax, runs, lambda r: r.mean_lag is not None and r.final_return is not None,
                   "not shown (no consumed rollouts or no evaluations)")
-    _finish(ax, f"Final return vs mean policy lag (final: mean of last {FINAL_EVALS} evals)",
+    _finish(ax, f"Final return vs mean policy lag (final: mean of last {FINAL_EVALS} evals; bars: ±1 std over seeds)",
             "mean policy lag of consumed samples (versions)", "final evaluation return")
-    if groups:
+    if by_correction:
         ax.get_legend().set_title("correction")
     return fig
 
@@ -690,6 +726,17 @@ def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]]) -> s
     if any(n for _, n in notes):
         lines += ["## Notes", ""]
         lines += [f"- **{_cell(run.label)}**: {'; '.join(n)}." for run, n in notes if n]
+        lines.append("")
+    grouped = [(label, members, group_stats(members)) for label, members in seed_groups(runs)]
+    if any(len(m) > 1 for _, m, _ in grouped):
+        lines += ["## Over seeds", "",
+                  "| setting | correction | runs | mean lag | final return (mean ± std) | per seed |",
+                  "|---|---|---:|---:|---:|---|"]
+        for label, members, st in sorted(grouped, key=lambda g: (g[1][0].correction, g[2][0] if g[2] else 0)):
+            per_seed = ", ".join(_fmt_float(r.final_return) for r in members)
+            lines.append(f"| {_cell(label)} | {members[0].correction} | {len(members)} | "
+                         + (f"{st[0]:.2f} | {st[1]:.1f} ± {st[2]:.1f}" if st else f"{MISSING} | {MISSING}")
+                         + f" | {per_seed} |")
         lines.append("")
     lines += ["## Figures", ""]
     for name, title, caption in figures:

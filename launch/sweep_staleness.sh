@@ -71,7 +71,7 @@ for seed in $SEEDS; do for k in $SYNCS; do for d in $DELAYS; do for c in $CORREC
   if [[ $rc -ne 0 ]]; then
     echo "[sweep] $label failed (exit $rc); see $OUT/$label.log" >&2; failed=1
   else
-    echo "[sweep] $label done in $(( $(date +%s) - start )) s: $(grep -o '"last_eval/return_mean":[-0-9.e]*' "$run/summary.json")"
+    echo "[sweep] $label done in $(( $(date +%s) - start )) s: $(grep -o '"last_eval/return_mean": *[-0-9.e]*' "$run/summary.json")"
   fi
 done; done; done; done
 [[ $stopping -eq 1 ]] && { echo "[sweep] stopped" >&2; exit 130; }

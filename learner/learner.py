@@ -460,7 +460,8 @@ class Learner:
         out = {"value_shift": float((value_now - value).abs().mean())}
         if a.correction == "vtrace":
             target, adv, rho = vtrace(flat[keys.LOG_PROB], logp_now, reward, value_now, next_now, terminated, done,
-                                      a.gamma, a.rho_bar, a.c_bar, a.vtrace_lambda)
+                                      a.gamma, a.rho_bar, a.c_bar,
+                                      a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda)
         else:
             adv, target = compute_gae(reward, value_now, next_now, terminated, done, a.gamma, a.gae_lambda)
             rho = (logp_now - flat[keys.LOG_PROB]).exp()

@@ -195,8 +195,9 @@ class PPOConfig(ClippedPGConfig):
     """Truncation of the importance weights in the advantage (is, vtrace)."""
     c_bar: float = 1.0
     """Truncation of the trace-cutting coefficients c (vtrace)."""
-    vtrace_lambda: float = 1.0
-    """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)."""
+    vtrace_lambda: Optional[float] = None
+    """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
+    on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
     recompute_values: bool = False
     """Recompute V(s) with the current critic before GAE, instead of the actor's (stale) values
     (always on for vtrace)."""
@@ -353,7 +354,7 @@ def _check(cfg: Config) -> list[str]:
         non_negative["algorithm.cfg.vf_coef"] = alg.vf_coef
         positive_pg = {"algorithm.cfg.rho_bar": alg.rho_bar, "algorithm.cfg.c_bar": alg.c_bar}
         errors += [f"{k}: must be > 0, got {v}" for k, v in positive_pg.items() if not v > 0]
-        if not 0.0 <= alg.vtrace_lambda <= 1.0:
+        if alg.vtrace_lambda is not None and not 0.0 <= alg.vtrace_lambda <= 1.0:
             errors.append(f"algorithm.cfg.vtrace_lambda: must be in [0, 1], got {alg.vtrace_lambda}")
     errors += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
     for k in ("gamma",) if grpo else ("gamma", "gae_lambda"):

@@ -137,14 +137,15 @@ def test_pace_waits_for_the_learner_instead_of_running_ahead():
     assert actor.step_once() and len(sink.messages) == 3
 
 
-@pytest.mark.parametrize("correction", ["none", "is", "vtrace"])
-def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction):
-    """On-policy data (standard mode) with rho_bar = c_bar = 1: every correction gives the same
-    first update (V-trace's targets are then GAE(1) targets, so compare with gae_lambda = 1)."""
+@pytest.mark.parametrize("correction,lam", [("is", 1.0), ("is", 0.9), ("vtrace", 1.0)])
+def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam):
+    """On-policy data (standard mode) with rho_bar = c_bar = 1: the corrections give plain PPO's
+    first update. (V-trace only at lambda = 1: for lambda < 1 its value targets are still GAE's, but
+    IMPALA's policy-gradient advantage r + gamma v_{s+1} - V(s) is not GAE's advantage.)"""
     results = []
     for corr in ("none", correction):
         cfg = small_config()
-        cfg.algorithm.cfg.gae_lambda = 1.0
+        cfg.algorithm.cfg.gae_lambda = lam
         cfg.algorithm.cfg.correction = corr
         pub = ListPublisher()
         learner = Learner(cfg, run_dir=None, publisher=pub)
