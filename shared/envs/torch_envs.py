@@ -97,7 +97,12 @@ def _reach(**kwargs):
     return Reach(**kwargs)
 
 
-_REGISTRY = {"Pendulum-v0": TorchPendulum, "Reach-v0": _reach}
+def _mjwarp_half_cheetah(**kwargs):
+    from shared.envs.mjwarp import MJWarpHalfCheetah
+    return MJWarpHalfCheetah(**kwargs)
+
+
+_REGISTRY = {"Pendulum-v0": TorchPendulum, "Reach-v0": _reach, "MJWarpHalfCheetah-v0": _mjwarp_half_cheetah}
 
 
 def make_torch_env(name: str, num_envs: int, kwargs: dict, device: str | torch.device):
