@@ -23,8 +23,9 @@ from actors.rollout import Collector
 from shared import wire
 from shared.config import Config
 from shared.envs import make_env
-from shared.policies import load_weights_, make_policy
+from shared.policies import make_policy
 from shared.security import client_from_config
+from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
 
 log = logging.getLogger("tandem.actor")
@@ -75,6 +76,8 @@ class Actor:
         self._synced: list[list] = []                # [[version, received, first acted]] for the next rollout
         self._new_version = False
         self._consumed_base: int | None = None       # the learner's count for this id when we started
+        self._shm = ShmWeightsReader()                # maps the learner's ring when weights come that way
+        self._torn = False                           # the policy holds a torn copy: never act with it
         t = cfg.trainer
         k = cfg.rollouts_per_update
         n = cfg.actors.num_actors
@@ -115,8 +118,13 @@ class Actor:
         received, (td, meta) = due
         version = meta.get("version")
         if meta.get("kind") == "weights" and isinstance(version, int) and version > self.version:
-            load_weights_(self.policy, td.to(self.device))
+            if not load_published_(self.policy, td, meta, self._shm, self.device):
+                log.warning("actor %d: shared-memory weights v%d were rewritten while read; waiting for the next",
+                            self.actor_id, version)
+                self._torn = True
+                return
             self.version, self._received_at, self._new_version = version, received, True
+            self._torn = False
 
     def _wait_for_version(self, newer_than: int) -> bool:
         """Block until weights newer than `newer_than` are loaded (or stop). False on stop/timeout."""
@@ -217,6 +225,8 @@ class Actor:
         rollout was acted by: the learner trains only on its current version's data.
         """
         newer_than = self._last_acted if self.cfg.trainer.buffer_type == "standard" else -1
+        if self._torn:
+            newer_than = max(newer_than, self.version)
         if self.version <= newer_than and not self._wait_for_version(newer_than):
             return False
         if self.pace and not self._wait_for_credit():
@@ -226,6 +236,8 @@ class Actor:
                 return False
             self._load_due()
             self.rollouts_since_sync = 0
+        if self._torn and not self._wait_for_version(self.version):
+            return False
         if self._new_version:   # the weight-sync delay ends here: the first action with this version
             self._synced.append([self.version, self._received_at, time.time()])
             self._new_version = False
@@ -249,6 +261,7 @@ class Actor:
         return 1 if self.failed else 0
 
     def close(self) -> None:
+        self._shm.close()
         self.env.close()
 
 

@@ -101,6 +101,8 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
   done
   for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; kill -KILL "$p" 2>/dev/null; }; done
   wait 2>/dev/null
+  # a killed learner cannot remove its shared-memory weights file (learner.weights_transport "shm")
+  [[ -n "${FIRST_LEARNER_PID:-}" ]] && rm -f /dev/shm/tandem-"$FIRST_LEARNER_PID"-*.weights 2>/dev/null
 }
 
 on_signal() {
@@ -118,6 +120,7 @@ learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}
 echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | python $PY"
 "$PY" -m learner "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
 LEARNER_PID=$!
+FIRST_LEARNER_PID=$LEARNER_PID
 for ((i = 0; i < NUM_ACTORS; i++)); do start_actor "$i"; done
 
 status=0

@@ -18,8 +18,9 @@ from tensordict import TensorDict
 from shared import keys, wire
 from shared.config import Config, config_from_dict
 from shared.envs import make_env
-from shared.policies import load_weights_, make_policy
+from shared.policies import make_policy
 from shared.security import CurveClient
+from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
 
 
@@ -70,6 +71,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     client = CurveClient.from_strings(curve) if curve is not None else None
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=client)
     push = RolloutPusher(ctx, endpoints["rollouts"], hwm=16, curve=client)
+    shm = ShmWeightsReader()
     next_eval = t.eval_freq
     count = 0
     last: dict | None = None   # the last result, reused when the final weights were already evaluated
@@ -91,7 +93,8 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 last["final"] = True
                 push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
                 continue
-            load_weights_(policy, td)
+            if not load_published_(policy, td, meta, shm, "cpu"):
+                continue   # a torn shared-memory read: evaluate the next version instead
             t0 = time.perf_counter()
             returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
             count += 1

@@ -14,6 +14,7 @@ Only the main thread touches the policy and the optimiser. The receiver thread t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from actors.rollout import rollout_template
 from learner.advantages import compute_gae
@@ -36,6 +37,7 @@ from learner.logs import RunLogger, fmt_num
 from learner.ppo import ppo_update
 from learner.vtrace import current_values, vtrace
 from shared import keys
+from shared.shm_weights import ShmWeightsWriter, default_path
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
 from shared.policies import has_critic, make_policy, weights_td
@@ -167,6 +169,10 @@ class Learner:
         self._credit_sent: list[int] = []
         self._credit_time = 0.0
         self.curve = None                           # a shared.security.CurveServer, set by the learner process
+        self.shm_writer = None
+        if cfg.learner.weights_transport == "shm":
+            tag = hashlib.sha1(str(self.run_dir or id(self)).encode()).hexdigest()[:12]
+            self.shm_writer = ShmWeightsWriter(weights_td(self.policy), default_path(tag), cfg.learner.shm_slots)
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
@@ -355,9 +361,14 @@ class Learner:
     # ================================================================ training (main thread)
     def publish(self, final: bool = False, event: str = "publish") -> None:
         # A copy: ZeroMQ may still be reading these bytes when the next optimiser step runs.
-        weights = weights_td(self.policy)
-        weights = weights.clone() if self.device.type == "cpu" else weights.cpu()
         now = time.time()
+        if self.shm_writer is not None:
+            # One copy into the shared-memory ring (it also is the snapshot); the message says where.
+            where = self.shm_writer.write(weights_td(self.policy), self.version)
+            weights, extra = TensorDict({}, batch_size=[]), where
+        else:
+            weights = weights_td(self.policy)
+            weights, extra = (weights.clone() if self.device.type == "cpu" else weights.cpu()), {}
         if not final:
             self.publish_times[self.version] = now
             for old in [v for v in self.publish_times if v < self.version - 1000]:
@@ -367,7 +378,7 @@ class Learner:
         self._credit_sent, self._credit_time = finished, now
         # `consumed`: per actor, its rollouts the learner has consumed or dropped (lag_policy "pace").
         self.publisher.publish(weights, kind="weights", version=self.version,
-                               env_steps=self.env_steps, final=final, time=now, consumed=finished)
+                               env_steps=self.env_steps, final=final, time=now, consumed=finished, **extra)
         if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event=event, version=self.version, time=time.time(),
                                        env_steps=self.env_steps, updates=self.updates)

@@ -194,6 +194,8 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
         time.sleep(0.2)  # let the stop messages leave
         publisher.close()
         pull.close(linger=0)
+        if learner.shm_writer is not None:
+            learner.shm_writer.close()
         if curve is not None:
             curve.stop()
         ctx.term()

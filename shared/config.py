@@ -99,6 +99,12 @@ class LearnerConfig:
     torch_threads: int = 1
     recv_hwm: int = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
+    weights_transport: Literal["zmq", "shm"] = "zmq"
+    """How weights reach the actors. zmq: in the weights message (any host). shm: written once per
+    version into a shared-memory ring on this host, the message carries only where (large models
+    with local actors; see shared/shm_weights.py)."""
+    shm_slots: int = 3
+    """shm: versions kept in the ring; an actor more than shm_slots - 1 versions behind re-reads."""
     curve_secret_key: str = ""
     """CURVE: the learner's secret certificate (``launch/make_keys.py``). Set, both learner sockets
     encrypt and admit only the clients in `curve_authorized_keys`. Empty: no CURVE (one host)."""
@@ -338,6 +344,7 @@ def _check(cfg: Config) -> list[str]:
                 "actors.num_actors": a.num_actors, "actors.num_envs": a.num_envs,
                 "actors.sync_every": a.sync_every, "actors.torch_threads": a.torch_threads,
                 "learner.torch_threads": le.torch_threads, "learner.recv_hwm": le.recv_hwm,
+                "learner.shm_slots": le.shm_slots,
                 "algorithm.cfg.n_epochs": alg.n_epochs, "algorithm.cfg.batch_size": alg.batch_size,
                 "algorithm.cfg.learning_rate": alg.learning_rate,
                 **({"algorithm.cfg.group_size": alg.group_size} if grpo else {})}
