@@ -279,7 +279,9 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
     curve = client_from_config(cfg)   # bad key files fail here, before any socket exists
     ctx = zmq.Context()
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=curve)
-    push = RolloutPusher(ctx, endpoints["rollouts"], curve=curve)
+    # Several learner ranks: actor i sends its rollouts to rank i % W (learner/distributed.py).
+    by_rank = endpoints.get("rollouts_by_rank")
+    push = RolloutPusher(ctx, by_rank[actor_id % len(by_rank)] if by_rank else endpoints["rollouts"], curve=curve)
     actor = None
     try:
         actor = Actor(cfg, actor_id, sub, push, device=device, stop_event=stop,

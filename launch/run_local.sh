@@ -57,15 +57,15 @@ export PYTHONUNBUFFERED=1
 
 # ---------------------------------------------------------------- run directory
 set_args=(); for s in "${SETS[@]+"${SETS[@]}"}"; do set_args+=(--set "$s"); done
-read -r NUM_ACTORS EXP_DIR < <("$PY" - "$CONFIG" "${SETS[@]+"${SETS[@]}"}" <<'PYEOF'
+read -r NUM_ACTORS WORLD EXP_DIR < <("$PY" - "$CONFIG" "${SETS[@]+"${SETS[@]}"}" <<'PYEOF'
 import sys
 from pathlib import Path
 from shared.config import ConfigError, load_config
 try:
     cfg = load_config(sys.argv[1], sys.argv[2:])
 except ConfigError as e:
-    print(e, file=sys.stderr); print("0 -"); sys.exit(0)
-print(cfg.actors.num_actors, Path(cfg.trainer.output_dir) / cfg.trainer.exp_name)
+    print(e, file=sys.stderr); print("0 0 -"); sys.exit(0)
+print(cfg.actors.num_actors, max(1, len(cfg.learner.devices)), Path(cfg.trainer.output_dir) / cfg.trainer.exp_name)
 PYEOF
 )
 [[ "$NUM_ACTORS" -gt 0 ]] 2>/dev/null || exit 2
@@ -101,8 +101,12 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
   done
   for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; kill -KILL "$p" 2>/dev/null; }; done
   wait 2>/dev/null
-  # a killed learner cannot remove its shared-memory weights file (learner.weights_transport "shm")
-  [[ -n "${FIRST_LEARNER_PID:-}" ]] && rm -f /dev/shm/tandem-"$FIRST_LEARNER_PID"-*.weights 2>/dev/null
+  # A killed learner cannot remove its endpoints file or its shared-memory weights (weights_transport "shm").
+  if [[ -f "$OUT/endpoints.json" ]]; then
+    shm="$(sed -n 's/.*"shm": *"\([^"]*\)".*/\1/p' "$OUT/endpoints.json")"
+    [[ "$shm" == /dev/shm/tandem-* ]] && rm -f "$shm"
+    rm -f "$OUT/endpoints.json"
+  fi
 }
 
 on_signal() {
@@ -117,10 +121,14 @@ trap 'on_signal SIGTERM 143' TERM
 
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
 [[ $RESUME -eq 1 ]] && learner_args+=(--resume)
-echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | python $PY"
-"$PY" -m learner "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
+echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | $WORLD learner rank(s) | python $PY"
+if [[ "$WORLD" -gt 1 ]]; then   # several learner ranks (learner.devices): torchrun starts one process per rank
+  "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$WORLD" --module learner \
+    "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
+else
+  "$PY" -m learner "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
+fi
 LEARNER_PID=$!
-FIRST_LEARNER_PID=$LEARNER_PID
 for ((i = 0; i < NUM_ACTORS; i++)); do start_actor "$i"; done
 
 status=0

@@ -83,7 +83,8 @@ def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[st
 
 
 def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torch.optim.Optimizer,
-                batch: TensorDictBase, cfg: GRPOConfig, generator: torch.Generator) -> dict[str, float]:
+                batch: TensorDictBase, cfg: GRPOConfig, generator: torch.Generator,
+                sync_mean=None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over the unmasked steps of `batch` (``[B, T]``
     with ``advantage`` and ``mask``)."""
     b = batch.reshape(-1)
@@ -94,6 +95,6 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
         with torch.no_grad():
             fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
     result = run_epochs(policy, optimizer, fields, lambda mb: grpo_loss(policy, mb, cfg), cfg.n_epochs,
-                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator)
+                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean)
     result["samples"] = n
     return result

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -38,6 +38,9 @@ from learner.ppo import ppo_update
 from learner.vtrace import current_values, vtrace
 from shared import keys
 from shared.shm_weights import ShmWeightsWriter, default_path
+
+if TYPE_CHECKING:
+    from learner.distributed import Ranks
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
 from shared.policies import has_critic, make_policy, weights_td
@@ -117,8 +120,9 @@ class Learner:
     """
 
     def __init__(self, cfg: Config, run_dir: Path | None, publisher: Publisher, resume: bool = False,
-                 logger: RunLogger | None = None, discard: bool = False):
+                 logger: RunLogger | None = None, discard: bool = False, ranks: Ranks | None = None):
         self.cfg = cfg
+        self.ranks = ranks       # several learner ranks (learner/distributed.py); None: one process
         self.discard = discard   # benchmark mode: receive, decode, check and count, never store
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.device = torch.device(cfg.learner.device)
@@ -126,7 +130,7 @@ class Learner:
         self.algo = cfg.algorithm.cfg
         t = cfg.trainer
         self.standard = t.buffer_type == "standard"
-        self.k = cfg.rollouts_per_update
+        self.k = cfg.rollouts_per_update // (ranks.world if ranks else 1)   # this rank's share
         torch.manual_seed(t.seed)
         self.spec = env_spec_of(cfg)
         self.policy = make_policy(cfg, self.spec).to(self.device)
@@ -169,8 +173,13 @@ class Learner:
         self._credit_sent: list[int] = []
         self._credit_time = 0.0
         self.curve = None                           # a shared.security.CurveServer, set by the learner process
+        self.peer_env_steps = 0                     # env steps the other learner ranks received
+        self.peer_finished: list[int] | None = None  # their per-actor consumed/dropped counts
+        self._ddp = None
+        self._digests = (self.run_dir / "ranks" / f"rank{ranks.rank if ranks else 0}.jsonl"
+                         if cfg.learner.rank_digests and self.run_dir is not None else None)
         self.shm_writer = None
-        if cfg.learner.weights_transport == "shm":
+        if cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main):
             tag = hashlib.sha1(str(self.run_dir or id(self)).encode()).hexdigest()[:12]
             self.shm_writer = ShmWeightsWriter(weights_td(self.policy), default_path(tag), cfg.learner.shm_slots)
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
@@ -360,6 +369,8 @@ class Learner:
 
     # ================================================================ training (main thread)
     def publish(self, final: bool = False, event: str = "publish") -> None:
+        if self.ranks is not None and not self.ranks.is_main:
+            return                      # rank 0 publishes for every rank (they hold the same weights)
         # A copy: ZeroMQ may still be reading these bytes when the next optimiser step runs.
         now = time.time()
         if self.shm_writer is not None:
@@ -373,15 +384,15 @@ class Learner:
             self.publish_times[self.version] = now
             for old in [v for v in self.publish_times if v < self.version - 1000]:
                 del self.publish_times[old]
-        with self._lock:
-            finished = list(self.finished_per_actor)
+        finished = self.finished_counts()
         self._credit_sent, self._credit_time = finished, now
         # `consumed`: per actor, its rollouts the learner has consumed or dropped (lag_policy "pace").
         self.publisher.publish(weights, kind="weights", version=self.version,
-                               env_steps=self.env_steps, final=final, time=now, consumed=finished, **extra)
+                               env_steps=self.env_steps + self.peer_env_steps, final=final, time=now,
+                               consumed=finished, **extra)
         if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event=event, version=self.version, time=time.time(),
-                                       env_steps=self.env_steps, updates=self.updates)
+                                       env_steps=self.env_steps + self.peer_env_steps, updates=self.updates)
 
     def maybe_send_credit(self, min_interval_s: float = 0.2) -> None:
         """lag_policy "pace": tell actors about rollouts finished (mostly dropped ones) since the last
@@ -389,12 +400,19 @@ class Learner:
         if self.standard or self.cfg.trainer.lag_policy != "pace":
             return
         now = time.time()
-        with self._lock:
-            finished = list(self.finished_per_actor)
+        finished = self.finished_counts()
         if finished != self._credit_sent and now - self._credit_time >= min_interval_s:
             from tensordict import TensorDict
             self.publisher.publish(TensorDict({}, []), kind="credit", consumed=finished, time=now)
             self._credit_sent, self._credit_time = finished, now
+
+    def finished_counts(self) -> list[int]:
+        """Per actor, its rollouts consumed or dropped, over every learner rank."""
+        with self._lock:
+            mine = list(self.finished_per_actor)
+        if self.peer_finished is not None:
+            mine = [a + b for a, b in zip(mine, self.peer_finished)]
+        return mine
 
     def take_batch(self, timeout_s: float = 0.05) -> tuple[TensorDictBase, list[dict]] | None:
         """The next `k` rollouts to train on ``[k, N, T]`` with their infos, or None if they are not
@@ -441,6 +459,28 @@ class Learner:
                                                  "env_steps")} for i in infos]}
         with open(self.record_dir / "index.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
+
+    def _update_policy(self):
+        """The policy the update loops train: wrapped in DDP when there are several learner ranks."""
+        if self.ranks is None:
+            return self.policy
+        if self._ddp is None:
+            from learner.distributed import DDPPolicy
+            self._ddp = DDPPolicy(self.policy, self.ranks, find_unused=self.grpo or self.cfg.policy.name == "vla")
+        return self._ddp
+
+    def _sync_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.ranks is None else self.ranks.all_reduce_sum(t) / self.ranks.world
+
+    def _write_digest(self) -> None:
+        """rank_digests: this rank's weights after the update, as a SHA-256 (ranks must agree)."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.policy.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self._digests.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._digests, "a") as f:
+            f.write(json.dumps({"version": self.version, "updates": self.updates, "sha256": h.hexdigest()}) + "\n")
 
     @torch.no_grad()
     def _evaluate_now(self, flat: TensorDictBase, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,14 +552,18 @@ class Learner:
                                         a.truncate_at_first_done, a.scale_by_std)
             flat.set(keys.ADVANTAGE, adv)
             flat.set(MASK, mask)
-            stats = grpo_update(self.policy, self.ref_policy, self.optimizer, flat, a, self.generator)
+            stats = grpo_update(self._update_policy(), self.ref_policy, self.optimizer, flat, a, self.generator,
+                                sync_mean=self._sync_mean)
         else:
             reward = flat[keys.REWARD]
             if self.reward_scaler is not None:
-                reward = self.reward_scaler.scale(reward) if reward_std is None else \
-                    self.reward_scaler.scale_by(reward, reward_std)
+                if reward_std is None:
+                    reward_std = self.reward_scaler.std(self.ranks.all_reduce_sum if self.ranks else None)
+                reward = self.reward_scaler.scale_by(reward, reward_std)
             correction_stats = self._correct_and_advantages(flat, reward)
-            stats = ppo_update(self.policy, self.optimizer, flat, a, self.generator)
+            stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
+                               sync_mean=self._sync_mean)
+            stats.update(correction_stats)
             stats.update(correction_stats)
         checked = {k: stats[k] for k in ("loss_policy", "value_loss", "grad_norm") if k in stats}
         if not all(math.isfinite(v) for v in checked.values()):
@@ -527,11 +571,13 @@ class Learner:
                                      f"{checked}")
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.
-        self.policy.update_normalizer(flat[keys.OBS])
-        self.env_steps_trained += flat.numel()
+        self.policy.update_normalizer(flat[keys.OBS], all_reduce=self.ranks.all_reduce_sum if self.ranks else None)
+        self.env_steps_trained += flat.numel() * (self.ranks.world if self.ranks else 1)
         self.updates += 1
         self.version += 1
         self.publish()
+        if self._digests is not None:
+            self._write_digest()
         update_s = time.perf_counter() - t0
         self._log_update(stats, lags, update_s, infos)
         return stats
@@ -637,7 +683,7 @@ class Learner:
                 "next_save": self.next_save}
 
     def save(self) -> Path | None:
-        if self.run_dir is None:
+        if self.run_dir is None or (self.ranks is not None and not self.ranks.is_main):
             return None
         return save_checkpoint(self.run_dir / "checkpoints", self.state_dict(), self.version)
 
@@ -669,4 +715,4 @@ class Learner:
 
     @property
     def finished(self) -> bool:
-        return self.env_steps >= self.cfg.trainer.total_steps
+        return self.env_steps + self.peer_env_steps >= self.cfg.trainer.total_steps

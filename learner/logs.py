@@ -37,10 +37,12 @@ class JsonlWriter:
 class RunLogger:
     """TensorBoard + ``metrics.jsonl`` + ``versions.jsonl`` for one run directory."""
 
-    def __init__(self, run_dir: Path, use_tensorboard: bool = True, use_wandb: bool = False, config: dict | None = None):
+    def __init__(self, run_dir: Path, use_tensorboard: bool = True, use_wandb: bool = False, config: dict | None = None,
+                 suffix: str = ""):
         self.run_dir = Path(run_dir)
-        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl")
-        self.versions = JsonlWriter(self.run_dir / "versions.jsonl")
+        # `suffix` (".rank1"): the files of a learner rank other than 0, beside rank 0's
+        self.metrics = JsonlWriter(self.run_dir / f"metrics{suffix}.jsonl")
+        self.versions = JsonlWriter(self.run_dir / f"versions{suffix}.jsonl")
         self.tb = None
         self._tb_lock = threading.Lock()
         if use_wandb:

@@ -14,7 +14,8 @@ LossFn = Callable[[TensorDictBase], dict[str, torch.Tensor]]
 
 def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, torch.Tensor],
                loss_fn: LossFn, n_epochs: int, batch_size: int, max_grad_norm: float,
-               target_kl: float | None, generator: torch.Generator) -> dict[str, float]:
+               target_kl: float | None, generator: torch.Generator,
+               sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -49,8 +50,12 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
             epoch_kl.append(out["approx_kl"])
             count += 1
-        if target_kl is not None and epoch_kl and float(torch.stack(epoch_kl).mean()) > target_kl:
-            break
+        if target_kl is not None and epoch_kl:
+            kl = torch.stack(epoch_kl).mean()
+            if sync_mean is not None:      # several learner ranks stop together, on the mean over ranks
+                kl = sync_mean(kl.detach().cpu().double())
+            if float(kl) > target_kl:
+                break
     result = {k: float(v) / max(count, 1) for k, v in sums.items()}
     result["epochs"] = epochs
     return result

@@ -42,7 +42,7 @@ def ppo_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig) -> dict[str,
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, cfg: PPOConfig,
-               generator: torch.Generator) -> dict[str, float]:
+               generator: torch.Generator, sync_mean=None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
@@ -52,7 +52,7 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
                                     keys.VALUE_TARGET)}
     result = run_epochs(policy, optimizer, fields, lambda mb: ppo_loss(policy, mb, cfg), cfg.n_epochs,
-                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator)
+                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

@@ -99,6 +99,12 @@ class LearnerConfig:
     torch_threads: int = 1
     recv_hwm: int = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
+    devices: list[str] = field(default_factory=list)
+    """Several learner ranks, one per device (e.g. ["cuda:0", "cuda:1"]; ["cpu", "cpu"] runs gloo):
+    DDP over torch.distributed, started with torchrun by launch/run_local.sh (learner/distributed.py).
+    Empty: one learner on `device`."""
+    rank_digests: bool = False
+    """Each learner rank logs a SHA-256 of its weights after every update (ranks/rank<r>.jsonl)."""
     weights_transport: Literal["zmq", "shm"] = "zmq"
     """How weights reach the actors. zmq: in the weights message (any host). shm: written once per
     version into a shared-memory ring on this host, the message carries only where (large models
@@ -386,6 +392,19 @@ def _check(cfg: Config) -> list[str]:
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
             where = f"actors.devices[{i}]" if i < len(a.devices) else "learner.device"
             errors.append(f"{where}: unknown device {dev!r} (use 'cpu', 'cuda' or 'cuda:N')")
+    for i, dev in enumerate(le.devices):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", dev):
+            errors.append(f"learner.devices[{i}]: unknown device {dev!r} (use 'cpu' or 'cuda:N')")
+    world = len(le.devices)
+    if world > 1:
+        if len({d.split(":")[0] for d in le.devices}) > 1:
+            errors.append(f"learner.devices: mixes CPU and CUDA ranks ({le.devices}); use one kind")
+        if a.num_actors % world:
+            errors.append(f"actors.num_actors: {a.num_actors} is not a multiple of the {world} learner ranks "
+                          f"(learner.devices); actor i sends to rank i % {world}")
+        if cfg.rollouts_per_update % world:
+            errors.append(f"trainer.rollouts_per_update: {cfg.rollouts_per_update} is not a multiple of the "
+                          f"{world} learner ranks (learner.devices); each rank trains on its share")
     bad_ids = [i for i in a.slow_actor_ids if not 0 <= i < a.num_actors]
     if bad_ids:
         errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")

@@ -41,10 +41,10 @@ def bind(sock: zmq.Socket, host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def write_endpoints(run_dir: Path, rollouts: str, weights: str) -> Path:
+def write_endpoints(run_dir: Path, rollouts: str, weights: str, **extra: Any) -> Path:
     path = Path(run_dir) / "endpoints.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"rollouts": rollouts, "weights": weights, "pid": os.getpid()}) + "\n")
+    tmp.write_text(json.dumps({"rollouts": rollouts, "weights": weights, "pid": os.getpid(), **extra}) + "\n")
     os.replace(tmp, path)  # readers never see a half-written file
     return path
 
@@ -55,7 +55,10 @@ def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
     while True:
         try:
             data = json.loads(Path(path).read_text())
-            return {"rollouts": data["rollouts"], "weights": data["weights"]}
+            out = {"rollouts": data["rollouts"], "weights": data["weights"]}
+            if isinstance(data.get("rollouts_by_rank"), list) and data["rollouts_by_rank"]:
+                out["rollouts_by_rank"] = [str(x) for x in data["rollouts_by_rank"]]
+            return out
         except (FileNotFoundError, json.JSONDecodeError, KeyError):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{path}: no learner endpoints after {timeout_s:.0f} s "

@@ -104,6 +104,6 @@ class ActorCritic(nn.Module):
         return self._log_prob(dist, td[keys.ACTION]), entropy, value
 
     @torch.no_grad()
-    def update_normalizer(self, obs: torch.Tensor) -> None:
+    def update_normalizer(self, obs: torch.Tensor, all_reduce=None) -> None:
         if self.obs_norm is not None:
-            self.obs_norm.update(obs)
+            self.obs_norm.update(obs, all_reduce=all_reduce)

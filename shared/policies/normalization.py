@@ -17,10 +17,19 @@ class RunningMeanStd(nn.Module):
         self.register_buffer("count", torch.tensor(epsilon, dtype=torch.float64))
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor) -> None:
-        """Fold a batch ``[..., *shape]`` into the statistics."""
+    def update(self, x: torch.Tensor, all_reduce=None) -> None:
+        """Fold a batch ``[..., *shape]`` into the statistics. With `all_reduce` (a function summing a
+        tensor over learner ranks), the batch is the union of every rank's batch: the moments are
+        combined exactly, so every rank ends with the same statistics."""
         x = x.reshape(-1, *self.mean.shape).to(torch.float64)
-        batch_mean, batch_var, n = x.mean(0), x.var(0, unbiased=False), x.shape[0]
+        n = float(x.shape[0])
+        if all_reduce is None:
+            batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
+        else:
+            sums = all_reduce(torch.stack([torch.full_like(self.mean, n), x.sum(0), x.pow(2).sum(0)]))
+            n = float(sums[0].reshape(-1)[0])
+            batch_mean = sums[1] / n
+            batch_var = (sums[2] / n - batch_mean.pow(2)).clamp(min=0.0)
         delta = batch_mean - self.mean
         total = self.count + n
         self.mean += delta * n / total
@@ -72,9 +81,15 @@ class RewardScaler:
         self._returns[actor] = ret
         self.stats.update(out)
 
-    def std(self) -> float:
-        """The divisor :meth:`scale` uses now."""
-        return float((self.stats.var + self.eps).sqrt())
+    def std(self, all_reduce=None) -> float:
+        """The divisor :meth:`scale` uses now. With `all_reduce` (a sum over learner ranks), the
+        statistics of every rank's returns combined exactly, so all ranks scale alike."""
+        if all_reduce is None:
+            return float((self.stats.var + self.eps).sqrt())
+        c, m, v = self.stats.count, self.stats.mean, self.stats.var
+        n, s1, s2 = all_reduce(torch.stack([c, c * m, c * (v + m * m)])).tolist()
+        var = max(s2 / n - (s1 / n) ** 2, 0.0)
+        return (var + self.eps) ** 0.5
 
     def scale(self, reward: torch.Tensor) -> torch.Tensor:
         return self.scale_by(reward, self.std())

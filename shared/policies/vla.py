@@ -156,5 +156,5 @@ class VLAPolicy(nn.Module):
             value = self.model.value(obs).float() if self.critic is not None else None
             return dist.log_prob(td[keys.ACTION]).float(), dist.entropy().float(), value
 
-    def update_normalizer(self, obs) -> None:
+    def update_normalizer(self, obs, all_reduce=None) -> None:
         """VLA models normalise their own inputs; nothing to track here."""
