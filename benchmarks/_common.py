@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,7 +16,11 @@ if str(ROOT) not in sys.path:          # for `shared`, `actors`, `learner` in th
 
 from learner.logs import read_jsonl  # noqa: E402  (needs ROOT on sys.path)
 
-__all__ = ["ROOT", "BenchmarkError", "child_env", "tail", "raise_on_signal", "machine_info", "read_jsonl"]
+__all__ = ["ROOT", "BenchmarkError", "child_env", "group_members", "machine_info", "raise_on_signal", "read_jsonl",
+           "run_launcher", "stop_launcher", "tail"]
+
+LAUNCHER = ROOT / "launch" / "run_local.sh"
+STOP_TIMEOUT_S = 15.0                  # SIGTERM -> SIGKILL grace; the launcher itself needs up to ~10 s
 
 
 class BenchmarkError(RuntimeError):
@@ -51,3 +57,90 @@ def raise_on_signal(signum, frame):
 def machine_info() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "load_average_at_end": os.getloadavg()[0]}
+
+
+def group_members(pgid: int) -> list[str]:
+    """The live (not zombie) processes of process group `pgid`, as "pid command" strings."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()     # state ppid pgrp ...
+            if int(fields[2]) != pgid or fields[0] == "Z":
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue                   # it exited while we looked
+        out.append(f"{d.name} {cmd[:120]}")
+    return out
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def stop_launcher(p: subprocess.Popen) -> list[str]:
+    """Make sure nothing of a launcher's process group (started with ``start_new_session``) is left
+    running: after a normal exit give stragglers 2 s; otherwise SIGTERM the group, wait up to
+    STOP_TIMEOUT_S, then SIGKILL. Returns notes on whatever had to be stopped."""
+    notes = []
+    pgid = p.pid
+    if p.poll() is not None and _wait_group_gone(pgid, 2.0):
+        return notes
+    left = group_members(pgid)
+    notes.append(("launcher still running" if p.poll() is None else "processes outlived the launcher")
+                 + f": SIGTERM to {len(left)} process(es): " + "; ".join(left))
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    try:
+        p.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    if not _wait_group_gone(pgid, max(0.0, deadline - time.monotonic())) or p.poll() is None:
+        notes.append(f"still running after {STOP_TIMEOUT_S:.0f} s: SIGKILL to " + "; ".join(group_members(pgid)))
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            notes.append("the launcher did not exit after SIGKILL")
+        if not _wait_group_gone(pgid, 5.0):
+            notes.append("still present after SIGKILL: " + "; ".join(group_members(pgid)))
+    return notes
+
+
+def run_launcher(args: list[str], run_dir: Path, timeout_s: float, label: str) -> tuple[float, list[str]]:
+    """``launch/run_local.sh ARGS --out RUN_DIR`` in its own session; returns (wall seconds, stop notes).
+    Raises BenchmarkError (with the log's tail) on a non-zero exit or a timeout; never leaves processes."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "launcher.log"
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen(["bash", str(LAUNCHER), *args, "--out", str(run_dir)], cwd=ROOT,
+                             env=child_env(launcher_python=True), stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            code = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise BenchmarkError(f"{label}: not finished within {timeout_s:.0f} s; the launcher's log ends:\n"
+                                 f"{tail(log_path)}") from None
+        wall = time.monotonic() - t0
+        if code != 0:
+            raise BenchmarkError(f"{label}: run_local.sh exited with code {code}; its log ends:\n{tail(log_path)}")
+    finally:
+        notes = stop_launcher(p)
+    return wall, notes

@@ -89,8 +89,12 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
         raise ReplayError(f"{config_path}: not found (not a Tandem run directory?)")
     cfg = load_config(config_path, overrides or [])
     cfg.trainer.record = False
+    cfg.learner.weights_transport = "zmq"       # nobody listens: no shared-memory ring
     record_dir = run_dir / "record"
     entries = read_index(record_dir)
+    if entries and entries[0]["version"] != 0:
+        raise ReplayError(f"{record_dir / 'index.jsonl'}: the record starts at version {entries[0]['version']} "
+                          f"(a resumed run): replaying it from fresh weights would not be the same training")
     if max_updates is not None:
         entries = entries[:max_updates]
     torch.set_num_threads(cfg.learner.torch_threads)   # as the learner process: same float sums, same bits

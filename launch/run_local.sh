@@ -99,7 +99,10 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
   for p in "${pids[@]}"; do
     while kill -0 "$p" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.1; done
   done
-  for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; kill -KILL "$p" 2>/dev/null; }; done
+  for p in "${pids[@]}"; do
+    # children first: torchrun's ranks would outlive a killed torchrun
+    kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; }
+  done
   wait 2>/dev/null
   # A killed learner cannot remove its endpoints file or its shared-memory weights (weights_transport "shm").
   if [[ -f "$OUT/endpoints.json" ]]; then

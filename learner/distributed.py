@@ -62,7 +62,8 @@ def ranks_from_env(devices: list[str]) -> Ranks | None:
     if len(devices) != world:
         raise ValueError(f"learner.devices lists {len(devices)} devices but torchrun started {world} ranks")
     device = torch.device(devices[rank])
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # On GPUs: NCCL for the gradients, gloo for the small CPU-side agreements (counters, KL, statistics).
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # The collectives here are small and frequent; a stuck peer fails the run instead of hanging it.

@@ -54,13 +54,18 @@ class Publisher(Protocol):
 
 
 class ListPublisher:
-    """In-process publisher for tests: keeps every (weights, meta) it was given (weights cloned)."""
+    """In-process publisher for tests: keeps every (weights, meta) it was given (weights cloned), and
+    control messages (stop, credit) apart, as the socket does (they never replace the weights)."""
 
     def __init__(self):
         self.published: list[tuple[TensorDictBase, dict]] = []
+        self.controls: list[dict] = []
 
     def publish(self, td: TensorDictBase, **meta: Any) -> None:
         self.published.append((td.clone(), meta))
+
+    def send_control(self, **meta: Any) -> None:
+        self.controls.append(meta)
 
 
 MAX_ABS_VALUE = 1e8   # larger floats in a rollout are refused: they overflow the loss in float32
@@ -179,9 +184,6 @@ class Learner:
         self._digests = (self.run_dir / "ranks" / f"rank{ranks.rank if ranks else 0}.jsonl"
                          if cfg.learner.rank_digests and self.run_dir is not None else None)
         self.shm_writer = None
-        if cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main):
-            tag = hashlib.sha1(str(self.run_dir or id(self)).encode()).hexdigest()[:12]
-            self.shm_writer = ShmWeightsWriter(weights_td(self.policy), default_path(tag), cfg.learner.shm_slots)
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue()
         self.last_eval: dict | None = None
@@ -194,6 +196,9 @@ class Learner:
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
+        if cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main):
+            tag = hashlib.sha1(str(self.run_dir or id(self)).encode()).hexdigest()[:12]
+            self.shm_writer = ShmWeightsWriter(weights_td(self.policy), default_path(tag), cfg.learner.shm_slots)
 
     # ================================================================ receiving (any thread)
     def _check_schema(self, td: TensorDictBase) -> list[str]:
@@ -248,6 +253,15 @@ class Learner:
         if not _is_int(actor) or not 0 <= actor < self.cfg.actors.num_actors:
             raise RejectedMessage(f"rollout without a valid 'actor' id (got {actor!r}; actors.num_actors is "
                                   f"{self.cfg.actors.num_actors})")
+        try:
+            self._accept(td, meta, actor)
+        except RejectedMessage:
+            with self._lock:   # a refused rollout is finished too: a pacing actor must not wait for it
+                self.finished_per_actor[actor] += 1
+            raise
+
+    def _accept(self, td: TensorDictBase, meta: dict, actor: int) -> None:
+        """The checks and bookkeeping of one rollout from a valid actor id (see :meth:`ingest`)."""
         if actor in self._refused_senders:
             raise RejectedMessage(f"actor {actor}: refused earlier: {self._refused_senders[actor]}")
         problems = self._check_schema(td)
@@ -402,8 +416,7 @@ class Learner:
         now = time.time()
         finished = self.finished_counts()
         if finished != self._credit_sent and now - self._credit_time >= min_interval_s:
-            from tensordict import TensorDict
-            self.publisher.publish(TensorDict({}, []), kind="credit", consumed=finished, time=now)
+            self.publisher.send_control(kind="credit", consumed=finished, time=now)
             self._credit_sent, self._credit_time = finished, now
 
     def finished_counts(self) -> list[int]:
@@ -449,8 +462,6 @@ class Learner:
 
     def _record(self, data: TensorDictBase, infos: list[dict], reward_std: float | None) -> None:
         """Append the batch about to be trained on to RUN_DIR/record (``launch/replay.py`` reads it)."""
-        if reward_std is None and self.reward_scaler is not None:
-            reward_std = self.reward_scaler.std()
         name = f"update_{self.updates + 1:07d}"
         self.record_dir.mkdir(parents=True, exist_ok=True)
         data.cpu().memmap(self.record_dir / name)
@@ -538,6 +549,9 @@ class Learner:
         lags = torch.cat([(self.version - data[i][keys.POLICY_VERSION]).reshape(-1) for i in range(len(infos))])
         for info in infos:
             self._version_event("consume", info)
+        if self.reward_scaler is not None and reward_std is None and not self.grpo:
+            # once, before recording: the replay must scale with exactly the std this update uses
+            reward_std = self.reward_scaler.std(self.ranks.all_reduce_sum if self.ranks else None)
         if self.record_dir is not None:
             self._record(data, infos, reward_std)
         data = data.to(self.device)
@@ -557,13 +571,10 @@ class Learner:
         else:
             reward = flat[keys.REWARD]
             if self.reward_scaler is not None:
-                if reward_std is None:
-                    reward_std = self.reward_scaler.std(self.ranks.all_reduce_sum if self.ranks else None)
                 reward = self.reward_scaler.scale_by(reward, reward_std)
             correction_stats = self._correct_and_advantages(flat, reward)
             stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                sync_mean=self._sync_mean)
-            stats.update(correction_stats)
             stats.update(correction_stats)
         checked = {k: stats[k] for k in ("loss_policy", "value_loss", "grad_norm") if k in stats}
         if not all(math.isfinite(v) for v in checked.values()):
@@ -575,6 +586,12 @@ class Learner:
         self.env_steps_trained += flat.numel() * (self.ranks.world if self.ranks else 1)
         self.updates += 1
         self.version += 1
+        if self.ranks is not None:   # the other ranks consumed their shares in this same update
+            with self._lock:
+                mine = list(self.finished_per_actor)
+            rows = self.ranks.all_gather_ints(mine)
+            self.peer_finished = [sum(r[i] for j, r in enumerate(rows) if j != self.ranks.rank)
+                                  for i in range(len(mine))]
         self.publish()
         if self._digests is not None:
             self._write_digest()
@@ -675,7 +692,8 @@ class Learner:
     # ================================================================ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "env_steps": self.env_steps, "env_steps_trained": self.env_steps_trained,
+                "version": self.version, "env_steps": self.env_steps + self.peer_env_steps,
+                "env_steps_trained": self.env_steps_trained,
                 "updates": self.updates, "generator": self.generator.get_state(),
                 "torch_rng": torch.get_rng_state(), "counts": dict(self.counts),
                 "reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
@@ -695,6 +713,8 @@ class Learner:
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.env_steps, self.updates = state["version"], state["env_steps"], state["updates"]
+        if self.ranks is not None and not self.ranks.is_main:
+            self.env_steps = 0      # the checkpoint's count is the total over ranks: rank 0 carries it
         self.env_steps_trained = state["env_steps_trained"]
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
@@ -708,10 +728,11 @@ class Learner:
         log.info("resumed from %s: version %d, %d env steps", found[-1], self.version, self.env_steps)
 
     def maybe_save(self) -> None:
-        if self.cfg.trainer.save_freq and self.env_steps >= self.next_save:
+        total = self.env_steps + self.peer_env_steps
+        if self.cfg.trainer.save_freq and total >= self.next_save:
             self.save()
             f = self.cfg.trainer.save_freq
-            self.next_save = (self.env_steps // f + 1) * f
+            self.next_save = (total // f + 1) * f
 
     @property
     def finished(self) -> bool:

@@ -71,6 +71,8 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     """
     torch.set_num_threads(cfg.learner.torch_threads)
     ranks = ranks_from_env(cfg.learner.devices)     # started by torchrun with several ranks
+    if ranks is not None and discard:
+        raise ValueError("--discard (the transport benchmark) runs one learner rank, not several")
     main = ranks is None or ranks.is_main
     if ranks is not None:
         cfg.learner.device = str(ranks.device)
@@ -191,8 +193,12 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
             # A last evaluation of the final weights, bounded in time.
             learner.publish(final=True)
             deadline = time.time() + 120
+            republish = time.time() + 5
             while time.time() < deadline and eval_proc.is_alive() and not stop.is_set():
                 publisher.serve_subscriptions()
+                if time.time() > republish:   # a busy evaluator's full queue may have dropped it
+                    learner.publish(final=True)
+                    republish = time.time() + 5
                 try:
                     meta = learner.evals.get(timeout=0.1)
                 except Exception:

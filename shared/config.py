@@ -381,6 +381,9 @@ def _check(cfg: Config) -> list[str]:
                       f"algorithm.name is \"grpo\")")
     if not a.devices:
         errors.append("actors.devices: must name at least one device, e.g. [\"cpu\"]")
+    if le.weights_transport == "shm" and a.weights_delay_s > 0:
+        errors.append("actors.weights_delay_s: a delay cannot be combined with learner.weights_transport \"shm\" "
+                      "(the shared-memory ring would be rewritten before a delayed version is loaded)")
     if bool(le.curve_secret_key) != bool(le.curve_authorized_keys):
         errors.append("learner.curve_secret_key / learner.curve_authorized_keys: set both (CURVE on) or neither")
     if bool(a.curve_secret_key) != bool(a.curve_server_key):
@@ -402,6 +405,16 @@ def _check(cfg: Config) -> list[str]:
         if a.num_actors % world:
             errors.append(f"actors.num_actors: {a.num_actors} is not a multiple of the {world} learner ranks "
                           f"(learner.devices); actor i sends to rank i % {world}")
+        if isinstance(alg, GRPOConfig):
+            errors.append("learner.devices: several learner ranks train PPO only (GRPO's unmasked sample count "
+                          "differs per rank, so the ranks' DDP steps would not line up)")
+        if t.record:
+            errors.append("trainer.record: recording is for one learner rank (learner.devices has several)")
+        if any(d == "cuda" for d in le.devices):
+            errors.append(f"learner.devices: name each GPU ('cuda:0', 'cuda:1'), got {le.devices}")
+        if le.rollout_port and le.weights_port and le.rollout_port <= le.weights_port < le.rollout_port + world:
+            errors.append(f"learner.weights_port: {le.weights_port} collides with the ranks' rollout ports "
+                          f"{le.rollout_port}..{le.rollout_port + world - 1} (rank r binds rollout_port + r)")
         if cfg.rollouts_per_update % world:
             errors.append(f"trainer.rollouts_per_update: {cfg.rollouts_per_update} is not a multiple of the "
                           f"{world} learner ranks (learner.devices); each rank trains on its share")

@@ -12,6 +12,10 @@ Consistency is a seqlock per slot: the writer stores ``begin = version``, the te
 copying. A reader that falls ``slots - 1`` versions behind can see its slot being rewritten; it then
 reports the copy as torn (its caller keeps its old weights and takes the next version). The file is
 removed by the learner when it exits (and by the launcher if the learner was killed).
+
+The seqlock relies on stores becoming visible in program order (x86-64's TSO). On weakly ordered
+CPUs (aarch64) a reader could in principle see the end marker before the payload; there, add a
+checksum per slot before trusting this path.
 """
 
 from __future__ import annotations
@@ -53,10 +57,19 @@ class ShmWeightsWriter:
         self.slot_bytes = HEADER_BYTES + self.payload
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, self.slot_bytes * slots)
+            try:   # reserve the memory now: a too-small /dev/shm fails here, clearly, not with SIGBUS later
+                os.posix_fallocate(fd, 0, self.slot_bytes * slots)
+            except OSError as e:
+                os.close(fd)
+                fd = -1
+                self.path.unlink(missing_ok=True)
+                raise OSError(f"{self.path}: cannot reserve {self.slot_bytes * slots / 2**20:.0f} MiB of shared "
+                              f"memory for {slots} weight slots ({e.strerror}); enlarge /dev/shm or lower "
+                              f"learner.shm_slots") from e
             self._mm = mmap.mmap(fd, self.slot_bytes * slots)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._headers = [self._buf[i * self.slot_bytes:i * self.slot_bytes + 16].view(torch.int64)
                          for i in range(slots)]

@@ -258,6 +258,18 @@ def test_single_problem_is_singular(tmp_path):
     pytest.param({"algorithm": {"cfg": {"gae_lambda": 2}}}, r"algorithm\.cfg\.gae_lambda: must be in \[0, 1\]",
                  id="gae_lambda"),
     pytest.param({"actors": {"devices": ["gpu"]}}, r"actors\.devices\[0\]: unknown device 'gpu'", id="device_gpu"),
+    pytest.param({"learner": {"devices": ["cpu", "cpu", "cpu"]}}, r"actors\.num_actors: 2 is not a multiple of the 3 "
+                 r"learner ranks", id="ranks_actors"),
+    pytest.param({"learner": {"devices": ["cuda", "cuda"]}}, r"learner\.devices: name each GPU", id="ranks_cuda"),
+    pytest.param({"learner": {"devices": ["cpu", "cpu"], "rollout_port": 5555, "weights_port": 5556}},
+                 r"learner\.weights_port: 5556 collides", id="ranks_ports"),
+    pytest.param({"learner": {"devices": ["cpu", "cpu"]}, "trainer": {"record": True}},
+                 r"trainer\.record: recording is for one learner rank", id="ranks_record"),
+    pytest.param({"learner": {"weights_transport": "shm"}, "actors": {"weights_delay_s": 1.0}},
+                 r"actors\.weights_delay_s: a delay cannot be combined", id="shm_delay"),
+    pytest.param({"learner": {"curve_secret_key": "k"}}, r"learner\.curve_secret_key / learner\.curve_authorized_keys: "
+                 r"set both", id="curve_half"),
+    pytest.param({"algorithm": {"cfg": {"rho_bar": 0}}}, r"algorithm\.cfg\.rho_bar: must be > 0", id="rho_bar"),
     pytest.param({"actors": {"devices": ["cpu", "cuda:x"]}}, r"actors\.devices\[1\]: unknown device 'cuda:x'",
                  id="device_cuda_x"),
     pytest.param({"actors": {"devices": ["cuda:"]}}, r"actors\.devices\[0\]: unknown device 'cuda:'",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from actors.actor import Actor
 from learner.learner import Learner, ListPublisher
@@ -213,3 +214,37 @@ def test_record_replay_report_on_a_real_run(tmp_path):
     for p in written:
         assert p.stat().st_size > 1000
     assert "no sync events" not in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_refused_rollout_still_frees_a_pacing_actor():
+    """Pacing counts rollouts the learner finished with: one refused at ingest is finished too."""
+    cfg = small_config(buffer_type="vla", lag_policy="pace")
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    learner.publish()
+    td, meta = _rollout(cfg, learner, torch.zeros(cfg.actors.num_envs, cfg.trainer.buffer_size, dtype=torch.int64))
+    td[keys.REWARD][0, 0] = float("nan")
+    with pytest.raises(Exception, match="actor 0"):
+        learner.ingest(td, meta)
+    assert learner.finished_counts() == [1]
+
+
+def test_credit_messages_never_replace_the_weights_a_late_joiner_gets():
+    import zmq
+
+    from shared.transport import WeightsPublisher, WeightsSubscriber
+    ctx = zmq.Context()
+    pub = WeightsPublisher(ctx, "127.0.0.1", 0)
+    try:
+        pub.publish(TensorDict({"w": torch.ones(3)}, []), kind="weights", version=7)
+        pub.send_control(kind="credit", consumed=[1, 2])
+        sub = WeightsSubscriber(ctx, pub.endpoint)
+        deadline = time.monotonic() + 10
+        msg = None
+        while msg is None and time.monotonic() < deadline:
+            pub.serve_subscriptions()
+            msg = sub.newest(timeout_ms=50)
+        assert msg is not None and msg[1]["kind"] == "weights" and msg[1]["version"] == 7
+        sub.close()
+    finally:
+        pub.close()
+        ctx.destroy(linger=0)
