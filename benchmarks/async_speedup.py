@@ -59,11 +59,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl, tail  # noqa: E402
+from _common import (LAUNCHER, ROOT, BenchmarkError, child_env, machine_info,  # noqa: E402
+                     raise_on_signal, read_jsonl, stop_launcher, tail)
 
 DEFAULT_CONFIG = ROOT / "configs" / "cartpole_ppo.json"
-LAUNCHER = ROOT / "launch" / "run_local.sh"
-STOP_TIMEOUT_S = 15.0                  # SIGTERM -> SIGKILL grace; the launcher itself needs up to ~10 s
 TARGET_VS_STANDARD = 3.0               # vla-4 / standard-1 should be at least this
 TARGET_VS_THREAD = 1.0                 # vla-4 / thread should be above this
 
@@ -124,70 +123,6 @@ def variant_overrides(args, buffer_type: str, actors: int) -> list[str]:
 
 # ================================================================== process variants
 
-def _group_members(pgid: int) -> list[str]:
-    """The live (not zombie) processes of process group `pgid`, as "pid command" strings."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()     # state ppid pgrp ...
-            if int(fields[2]) != pgid or fields[0] == "Z":
-                continue
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, ValueError, IndexError):
-            continue                   # it exited while we looked
-        out.append(f"{d.name} {cmd[:120]}")
-    return out
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _group_members(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _stop_launcher(p: subprocess.Popen) -> list[str]:
-    """Make sure nothing of the launcher's process group (the launcher, learner, evaluator, actors,
-    its tee processes) is left running: after a normal exit, give stragglers 2 s to leave on their
-    own; otherwise SIGTERM the group (the launcher stops its children in ~10 s), wait up to
-    STOP_TIMEOUT_S, then SIGKILL. Returns notes on whatever had to be stopped."""
-    notes = []
-    pgid = p.pid                       # started with start_new_session: its pid is the group id
-    if p.poll() is not None and _wait_group_gone(pgid, 2.0):
-        return notes
-    left = _group_members(pgid)
-    notes.append(("launcher still running" if p.poll() is None else "processes outlived the launcher")
-                 + f": SIGTERM to {len(left)} process(es): " + "; ".join(left))
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    try:
-        p.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    if not _wait_group_gone(pgid, max(0.0, deadline - time.monotonic())) or p.poll() is None:
-        notes.append(f"still running after {STOP_TIMEOUT_S:.0f} s: SIGKILL to " + "; ".join(_group_members(pgid)))
-        _signal_group(pgid, signal.SIGKILL)
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            notes.append("the launcher did not exit after SIGKILL")
-        if not _wait_group_gone(pgid, 5.0):
-            notes.append("still present after SIGKILL: " + "; ".join(_group_members(pgid)))
-    return notes
-
-
 def run_process_variant(name: str, args, run_dir: Path) -> Result:
     label, buffer_type, actors, kind = VARIANTS[name]
     res = Result(name, label, kind, buffer_type, actors)
@@ -211,7 +146,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
         if code != 0:
             raise BenchmarkError(f"{label}: run_local.sh exited with code {code}; its log ends:\n{tail(log_path)}")
     finally:
-        notes = _stop_launcher(p)     # bounded; also on failure and Ctrl-C
+        notes = stop_launcher(p)      # bounded; also on failure and Ctrl-C
         for note in notes:
             print(f"[async] {label}: {note}", flush=True)
         if notes:

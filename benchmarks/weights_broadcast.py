@@ -38,7 +38,6 @@ import zmq  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from _common import machine_info  # noqa: E402
-from shared import wire  # noqa: E402
 from shared.shm_weights import ShmWeightsReader, ShmWeightsWriter, default_path  # noqa: E402
 from shared.transport import WeightsPublisher, WeightsSubscriber  # noqa: E402
 

@@ -19,9 +19,8 @@ from pathlib import Path
 import msgpack
 import psutil
 import pytest
-import torch
 
-from tests.test_integration import (CONFIG, RUN_TIMEOUT_S, Started, _alive, consumes, launch, load_ckpt,
+from tests.test_integration import (RUN_TIMEOUT_S, Started, _alive, consumes, launch, load_ckpt,
                                     newest_checkpoint, publishes, read_jsonl)
 from tests.test_wire import edit_entry, edit_header, header_of, replace_frame, valid_frames, with_header
 

@@ -3,7 +3,6 @@ delayed weights, off-policy corrections inside the learner, record/replay and th
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
