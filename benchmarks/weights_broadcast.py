@@ -78,7 +78,7 @@ def actor_main(params: int, weights_ep: str, results_ep: str, actor_id: int, rea
                 break
             version = meta["version"]
             if "shm" in meta:
-                ok = reader.copy_into(lambda views: mine.update_(views), meta, version)
+                ok = reader.stream_into(mine, meta, version)
             else:
                 mine.update_(td)
                 ok = True
@@ -128,9 +128,10 @@ def run_one(params: int, n_actors: int, transport: str, repeats: int) -> dict:
         warmup = 2                                    # one version per ring slot: first-touch page faults
         for version in range(repeats + warmup):
             t0 = time.time()
-            if writer is not None:
+            if writer is not None:   # the learner's way: announce, then write while actors copy
                 pub.publish(TensorDict({}, batch_size=[]), kind="weights", version=version,
-                            **writer.write(weights, version))
+                            **writer.begin(version))
+                writer.write_body(weights, version)
             else:
                 pub.publish(weights, kind="weights", version=version)
             done = []

@@ -388,8 +388,9 @@ class Learner:
         # A copy: ZeroMQ may still be reading these bytes when the next optimiser step runs.
         now = time.time()
         if self.shm_writer is not None:
-            # One copy into the shared-memory ring (it also is the snapshot); the message says where.
-            where = self.shm_writer.write(weights_td(self.policy), self.version)
+            # One copy into the shared-memory ring (it also is the snapshot); the message says where
+            # and goes first, so that actors copy each chunk while the next one is written.
+            where = self.shm_writer.begin(self.version)
             weights, extra = TensorDict({}, batch_size=[]), where
         else:
             weights = weights_td(self.policy)
@@ -404,6 +405,8 @@ class Learner:
         self.publisher.publish(weights, kind="weights", version=self.version,
                                env_steps=self.env_steps + self.peer_env_steps, final=final, time=now,
                                consumed=finished, **extra)
+        if self.shm_writer is not None:
+            self.shm_writer.write_body(weights_td(self.policy), self.version)
         if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event=event, version=self.version, time=time.time(),
                                        env_steps=self.env_steps + self.peer_env_steps, updates=self.updates)

@@ -8,8 +8,11 @@ the slot straight into its own parameters. ZeroMQ stays the control channel (and
 for actors on other hosts, ``weights_transport: "zmq"``).
 
 Consistency is a seqlock per slot: the writer stores ``begin = version``, the tensors, then
-``end = version``; a reader copies only if ``begin == end == version`` and checks ``begin`` again after
-copying. A reader that falls ``slots - 1`` versions behind can see its slot being rewritten; it then
+``end = version``; a reader copies only if ``begin == version`` and checks ``begin`` again after
+copying. The copies are pipelined: the learner announces a version before writing it and advances a
+``progress`` word (bytes written) every few MiB; readers copy each chunk as soon as it is written, so
+the learner's copy into the ring and the actors' copies out of it overlap instead of running back to
+back. A reader that falls ``slots - 1`` versions behind can see its slot being rewritten; it then
 reports the copy as torn (its caller keeps its old weights and takes the next version). The file is
 removed by the learner when it exits (and by the launcher if the learner was killed).
 
@@ -28,7 +31,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 ALIGN = 64
-HEADER_BYTES = 64          # per slot: begin version, end version (int64), padding
+HEADER_BYTES = 64          # per slot: begin version, end version, progress bytes (int64), padding
+CHUNK_BYTES = 8 << 20      # the writer publishes progress, and readers copy, in pieces of this size
+WAIT_S = 0.0002            # a reader's pause while the writer catches up (no busy spinning)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 
 
@@ -71,24 +76,40 @@ class ShmWeightsWriter:
             if fd >= 0:
                 os.close(fd)
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._headers = [self._buf[i * self.slot_bytes:i * self.slot_bytes + 16].view(torch.int64)
+        self._headers = [self._buf[i * self.slot_bytes:i * self.slot_bytes + 24].view(torch.int64)
                          for i in range(slots)]
         for h in self._headers:
             h.fill_(-1)
 
-    def write(self, td: TensorDictBase, version: int) -> dict:
-        """Copy `td` into the slot of `version`; returns the meta the control message carries."""
+    def begin(self, version: int) -> dict:
+        """Claim the slot of `version` (readers of its old version now see a mismatch); returns the
+        meta the control message carries. Send it, then :meth:`write_body`: readers start at once."""
         slot = version % self.slots
         header = self._headers[slot]
-        header[0] = version            # begin: readers of the old version in this slot now see a mismatch
-        base = slot * self.slot_bytes + HEADER_BYTES
-        for path, dtype, shape, offset in self.layout:
-            t = td.get(tuple(path))
-            n = t.numel() * t.element_size()
-            dst = self._buf[base + offset:base + offset + n].view(t.dtype).view(t.shape)
-            dst.copy_(t.detach())
-        header[1] = version            # end: the slot is whole
+        header[0] = version
+        header[2] = 0
         return {"shm": str(self.path), "slot": slot, "slot_bytes": self.slot_bytes, "layout": self.layout}
+
+    def write_body(self, td: TensorDictBase, version: int) -> None:
+        """Copy `td` into the slot claimed by :meth:`begin`, advancing ``progress`` chunk by chunk."""
+        slot = version % self.slots
+        header = self._headers[slot]
+        base = slot * self.slot_bytes + HEADER_BYTES
+        for path, _, _, offset in self.layout:
+            src = td.get(tuple(path)).detach().reshape(-1)
+            n = src.numel() * src.element_size()
+            dst = self._buf[base + offset:base + offset + n].view(src.dtype)
+            step = max(1, CHUNK_BYTES // src.element_size())
+            for i in range(0, src.numel(), step):
+                dst[i:i + step].copy_(src[i:i + step])
+                header[2] = offset + min(n, (i + step) * src.element_size())
+        header[1] = version            # end: the slot is whole
+
+    def write(self, td: TensorDictBase, version: int) -> dict:
+        """:meth:`begin` and :meth:`write_body` in one (nobody reads until the message is sent)."""
+        meta = self.begin(version)
+        self.write_body(td, version)
+        return meta
 
     def close(self, unlink: bool = True) -> None:
         del self._headers, self._buf
@@ -137,9 +158,43 @@ class ShmWeightsReader:
             out.set(tuple(path), self._buf[base + offset:base + offset + n].view(dt).view(shape))
         return out
 
+    def _header(self, meta: dict) -> torch.Tensor:
+        start = meta["slot"] * meta["slot_bytes"]
+        return self._buf[start:start + 24].view(torch.int64)
+
     def slot_version(self, meta: dict) -> tuple[int, int]:
-        h = self._buf[meta["slot"] * meta["slot_bytes"]:meta["slot"] * meta["slot_bytes"] + 16].view(torch.int64)
+        h = self._header(meta)
         return int(h[0]), int(h[1])
+
+    def stream_into(self, dst: TensorDictBase, meta: dict, version: int, timeout_s: float = 120.0) -> bool:
+        """Copy the slot into `dst` (same keys, shapes, dtypes: e.g. a policy's ``weights_td``) chunk
+        by chunk as the writer produces it. False if the slot was rewritten (or never finished in
+        `timeout_s`): `dst` then holds a mix and must not be used."""
+        import time
+        self._map(meta["shm"])
+        header = self._header(meta)
+        base = meta["slot"] * meta["slot_bytes"] + HEADER_BYTES
+        deadline = time.monotonic() + timeout_s
+        for path, dtype, shape, offset in meta["layout"]:
+            target = dst.get(tuple(path))
+            dt = getattr(torch, dtype)
+            if target.dtype != dt or list(target.shape) != list(shape):
+                raise ValueError(f"shared-memory weights {'.'.join(path)}: {dtype} {shape}, the policy has "
+                                 f"{target.dtype} {list(target.shape)}")
+            n = target.numel() * dt.itemsize
+            src = self._buf[base + offset:base + offset + n].view(dt)
+            out = target.view(-1)
+            step = max(1, CHUNK_BYTES // dt.itemsize)
+            for i in range(0, target.numel(), step):
+                need = offset + min(n, (i + step) * dt.itemsize)
+                while int(header[2]) < need and int(header[1]) != version:
+                    if int(header[0]) != version or time.monotonic() > deadline:
+                        return False
+                    time.sleep(WAIT_S)
+                if int(header[0]) != version:
+                    return False
+                out[i:i + step].copy_(src[i:i + step], non_blocking=True)
+        return int(header[0]) == version
 
     def copy_into(self, load, meta: dict, version: int) -> bool:
         """``load(views)`` (which copies the views into the policy) if the slot holds `version` whole,
@@ -169,4 +224,9 @@ def load_published_(policy: torch.nn.Module, td: TensorDictBase, meta: dict, rea
         return True
     if reader is None:
         raise ValueError("weights came through shared memory, but this process has no ShmWeightsReader")
-    return reader.copy_into(lambda views: load_weights_(policy, views.to(device)), meta, int(meta["version"]))
+    from shared.policies import weights_td
+    dst = weights_td(policy)      # the live parameters and buffers: copied into in place
+    if set(dst.keys(include_nested=True, leaves_only=True)) != {tuple(p) if len(p) > 1 else p[0]
+                                                                 for p, *_ in meta["layout"]}:
+        raise ValueError("shared-memory weights do not match the policy's parameters")
+    return reader.stream_into(dst, meta, int(meta["version"]))

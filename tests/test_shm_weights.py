@@ -87,3 +87,28 @@ def test_run_with_shm_weights_trains_and_leaves_nothing(tmp_path):
     assert summary.get("last_eval/return_mean") is not None           # the evaluator read the ring too
     after = set(Path("/dev/shm").glob("tandem-*")) if Path("/dev/shm").is_dir() else set()
     assert after <= before, f"left behind: {after - before}"
+
+
+def test_streaming_reader_copies_while_the_writer_writes(tmp_path, monkeypatch):
+    import threading
+
+    import shared.shm_weights as shm
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 64)            # many chunks: the reader really waits on progress
+    big = TensorDict({"a": torch.arange(4096, dtype=torch.float32), "b": {"c": torch.randn(33, 7)}}, batch_size=[])
+    writer = ShmWeightsWriter(big, tmp_path / "s.weights", slots=2)
+    reader = ShmWeightsReader()
+    try:
+        meta = writer.begin(0)                               # announced before a byte is written
+        dst = big.clone().zero_()
+        result = {}
+        t = threading.Thread(target=lambda: result.update(ok=reader.stream_into(dst, meta, 0, timeout_s=10)))
+        t.start()
+        writer.write_body(big, 0)
+        t.join(10)
+        assert result["ok"] and (dst == big).all()
+        meta1 = writer.begin(1)
+        writer.begin(3)                                      # laps slot 1 before it was written: torn
+        assert not reader.stream_into(big.clone(), meta1, 1, timeout_s=1)
+    finally:
+        reader.close()
+        writer.close()

@@ -19,7 +19,6 @@ the kernels (~30 s on CPU; cached in ``~/.cache/warp``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -48,9 +47,9 @@ class MJWarpHalfCheetah:
         except ImportError as e:
             raise ImportError(f"tandem/MJWarpHalfCheetah-v0 needs MuJoCo Warp: pip install 'tandem-rl[warp]' "
                               f"({e})") from e
-        os.environ.setdefault("MUJOCO_LOG_FILE", os.devnull)
         self._wp, self._mjw = wp, mjw
-        wp.config.quiet = True
+        if hasattr(wp, "LOG_WARNING"):   # no per-kernel "module load" lines in the actors' logs
+            wp.config.log_level = wp.LOG_WARNING
         wp.init()
         self.device = torch.device(device)
         self.num_envs, self.frame_skip, self.max_episode_steps = num_envs, frame_skip, max_episode_steps
