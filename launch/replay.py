@@ -19,7 +19,6 @@ Sampling decisions (what the actors did) are not replayed: the data is fixed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -36,6 +35,7 @@ from learner.learner import Learner, ListPublisher  # noqa: E402
 from learner.logs import RunLogger  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ConfigError, load_config, save_config  # noqa: E402
+from shared.policies import weights_digest  # noqa: E402
 
 
 class ReplayError(RuntimeError):
@@ -57,14 +57,6 @@ def read_index(record_dir: Path) -> list[dict]:
                 break   # a run killed while writing its last line
             raise ReplayError(f"{index}:{n}: not JSON: {e}") from e
     return entries
-
-
-def weights_digest(policy: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(policy.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _infos(entry: dict, data: TensorDict) -> list[dict]:

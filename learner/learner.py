@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from learner.distributed import Ranks
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
-from shared.policies import has_critic, make_policy, weights_td
+from shared.policies import has_critic, make_policy, weights_digest, weights_td
 from shared.policies.normalization import RewardScaler
 
 log = logging.getLogger("tandem.learner")
@@ -488,13 +488,10 @@ class Learner:
 
     def _write_digest(self) -> None:
         """rank_digests: this rank's weights after the update, as a SHA-256 (ranks must agree)."""
-        h = hashlib.sha256()
-        for name, t in sorted(self.policy.state_dict().items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self._digests.parent.mkdir(parents=True, exist_ok=True)
         with open(self._digests, "a") as f:
-            f.write(json.dumps({"version": self.version, "updates": self.updates, "sha256": h.hexdigest()}) + "\n")
+            f.write(json.dumps({"version": self.version, "updates": self.updates,
+                                "sha256": weights_digest(self.policy)}) + "\n")
 
     @torch.no_grad()
     def _evaluate_now(self, flat: TensorDictBase, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:

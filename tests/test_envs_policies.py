@@ -188,3 +188,34 @@ def test_collector_on_cuda_returns_pinned_host_rollout(env_id):
     td, _, _ = Collector(env, policy, num_steps=8, seed=0).collect(version=1)
     assert td[keys.OBS].device.type == "cpu" and td[keys.OBS].is_pinned()
     assert torch.isfinite(td[keys.NEXT_VALUE]).all() and (td[keys.POLICY_VERSION] == 1).all()
+
+
+def test_normaliser_and_reward_scale_combine_exactly_over_learner_ranks():
+    """Several learner ranks: each folds in its own batch with the moments summed over ranks, and
+    ends with the statistics of the union, identical on every rank (here two ranks, simulated)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(50, 3, generator=g, dtype=torch.float64) * 5 + 1000
+    b = torch.randn(70, 3, generator=g, dtype=torch.float64) * 5 + 1000
+    one = RunningMeanStd((3,))
+    one.update(torch.cat([a, b]))
+    ranks = [RunningMeanStd((3,)), RunningMeanStd((3,))]
+    m = ranks[0].mean.clone()
+    total = sum(torch.stack([torch.full_like(m, float(x.shape[0])), (x - m).sum(0), (x - m).pow(2).sum(0)])
+                for x in (a, b))
+    for r, x in zip(ranks, (a, b)):
+        r.update(x, all_reduce=lambda t: total)
+    torch.testing.assert_close(ranks[0].mean, one.mean)
+    torch.testing.assert_close(ranks[0].var, one.var, rtol=1e-9, atol=1e-9)
+    assert torch.equal(ranks[0].mean, ranks[1].mean) and torch.equal(ranks[0].var, ranks[1].var)
+    # reward scale: the std over both ranks' returns (returns near 0: each rank's running-std prior,
+    # a 1e-4 count at mean 0, is then negligible)
+    s0, s1 = RewardScaler(0.9), RewardScaler(0.9)
+    a, b = a - 1000, b - 1000
+    s0.stats.update(a[:, 0])
+    s1.stats.update(b[:, 0])
+    parts = [torch.stack([s.stats.count, s.stats.count * s.stats.mean, s.stats.count * (s.stats.var + s.stats.mean ** 2)])
+             for s in (s0, s1)]
+    both = RunningMeanStd(())
+    both.update(a[:, 0])
+    both.update(b[:, 0])
+    assert s0.std(lambda t: parts[0] + parts[1]) == pytest.approx(float((both.var + s0.eps).sqrt()), rel=1e-5)

@@ -39,6 +39,16 @@ def weights_td(policy: nn.Module) -> TensorDict:
     return TensorDict({tuple(k.split(".")): v.detach() for k, v in policy.state_dict().items()}, batch_size=[])
 
 
+def weights_digest(policy: nn.Module) -> str:
+    """SHA-256 of every parameter and buffer, bit for bit (names included): equal digests, equal weights."""
+    import hashlib
+    h = hashlib.sha256()
+    for name, t in sorted(policy.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def load_weights_(policy: nn.Module, weights: TensorDict) -> None:
     """Copy ``weights`` (from :func:`weights_td`) into ``policy`` in place; raises on any mismatch."""
     state = {".".join(k if isinstance(k, tuple) else (k,)): v

@@ -26,10 +26,13 @@ class RunningMeanStd(nn.Module):
         if all_reduce is None:
             batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
         else:
-            sums = all_reduce(torch.stack([torch.full_like(self.mean, n), x.sum(0), x.pow(2).sum(0)]))
+            # moments about the current mean (the same on every rank): no cancellation when |mean| >> std
+            d = x - self.mean
+            sums = all_reduce(torch.stack([torch.full_like(self.mean, n), d.sum(0), d.pow(2).sum(0)]))
             n = float(sums[0].reshape(-1)[0])
-            batch_mean = sums[1] / n
-            batch_var = (sums[2] / n - batch_mean.pow(2)).clamp(min=0.0)
+            shift = sums[1] / n
+            batch_mean = self.mean + shift
+            batch_var = (sums[2] / n - shift.pow(2)).clamp(min=0.0)
         delta = batch_mean - self.mean
         total = self.count + n
         self.mean += delta * n / total
