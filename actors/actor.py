@@ -126,6 +126,13 @@ class Actor:
             self.version, self._received_at, self._new_version = version, received, True
             self._torn = False
 
+    def _give_up(self, why: str) -> bool:
+        """The learner has been unreachable for `learner_timeout_s`: log, mark failed, stop. Returns False."""
+        log.error("actor %d: %s for %.0f s; exiting", self.actor_id, why, self.learner_timeout_s)
+        self.failed = True
+        self.stop_event.set()
+        return False
+
     def _wait_for_version(self, newer_than: int) -> bool:
         """Block until weights newer than `newer_than` are loaded (or stop). False on stop/timeout."""
         self._load_due()
@@ -135,11 +142,7 @@ class Actor:
                 return False
             self._load_due()
             if time.monotonic() > deadline:
-                log.error("actor %d: no weights newer than version %d from the learner for %.0f s; exiting",
-                          self.actor_id, newer_than, self.learner_timeout_s)
-                self.failed = True
-                self.stop_event.set()
-                return False
+                return self._give_up(f"no weights newer than version {newer_than} from the learner")
         return True
 
     # ------------------------------------------------------------------ main loop
@@ -161,10 +164,7 @@ class Actor:
             if not self._poll(0):
                 return False
             if time.monotonic() > deadline:
-                log.error("actor %d: the learner has not taken a rollout for %.0f s; exiting",
-                          self.actor_id, self.learner_timeout_s)
-                self.failed = True
-                self.stop_event.set()
+                return self._give_up("the learner has not taken a rollout")
         return False
 
     def _group_seeds(self) -> list[int] | None:
@@ -202,11 +202,7 @@ class Actor:
             if self.stop_event.is_set() or not self._poll(timeout_ms=50):
                 return False
             if time.monotonic() > deadline:
-                log.error("actor %d: the learner consumed none of our rollouts for %.0f s; exiting",
-                          self.actor_id, self.learner_timeout_s)
-                self.failed = True
-                self.stop_event.set()
-                return False
+                return self._give_up("the learner consumed none of our rollouts")
         return True
 
     def _wait_storage_free(self, index: int) -> None:
