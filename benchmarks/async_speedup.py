@@ -1,7 +1,7 @@
 """How much the asynchronous actor-learner design gains when inference is slow.
 
     .venv/bin/python benchmarks/async_speedup.py [--config configs/cartpole_ppo.json] [--latency 0.2]
-                                                 [--steps 16384] [--num-envs 64] [--buffer-size 8]
+                                                 [--steps 32768] [--num-envs 16] [--buffer-size 32]
                                                  [--max-lag 8] [--variants standard1,vla1,vla2,vla4,thread]
                                                  [--json out.json] [--keep-runs DIR] [--set KEY=VALUE ...]
 
@@ -22,6 +22,14 @@ standing in for a large model. The variants:
 Variants 1-2 run the real ``launch/run_local.sh`` (learner, evaluator and actor processes), started
 in its own session and stopped in bounded time (SIGTERM to its process group, SIGKILL after
 ``STOP_TIMEOUT_S``), also on failure or Ctrl-C. Nothing the script starts outlives it.
+
+Why 16 envs x 32 steps by default (512 samples per rollout either way): A actors run A x
+``--num-envs`` envs, each for 1/A of the steps. With 64 envs per actor, vla-4's 256 CartPole envs
+got 128 steps each in 32k steps, never deep into a 500-step episode, and vla-4's return was half
+of standard-1's even without lag (``benchmarks/lag_sensitivity.py``, case 4:0). With 16 per actor,
+vla-4 runs 64 envs for 512 steps each, as many as the 64-env standard run of the old default did.
+The speed-up comes from A models inferring at once, for A times the envs; the latency of a call
+does not depend on its batch here.
 
 Every variant gets the same overrides, so they train on the same amount of data with the same
 number of samples per update: ``trainer.total_steps``, ``actors.num_envs``, ``trainer.buffer_size``,
@@ -356,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON config file (default: configs/cartpole_ppo.json)")
     p.add_argument("--latency", type=float, default=0.2,
                    help="seconds added to every acting policy call (actors.inference_latency_s; default 0.2)")
-    p.add_argument("--steps", type=int, default=16384, help="env steps to train on, every variant (default 16384)")
-    p.add_argument("--num-envs", type=int, default=64,
-                   help="envs per actor: one batched policy call serves them all (default 64)")
-    p.add_argument("--buffer-size", type=int, default=8, help="steps per env per rollout (default 8)")
+    p.add_argument("--steps", type=int, default=32768, help="env steps to train on, every variant (default 32768)")
+    p.add_argument("--num-envs", type=int, default=16,
+                   help="envs per actor: one batched policy call serves them all (default 16)")
+    p.add_argument("--buffer-size", type=int, default=32, help="steps per env per rollout (default 32)")
     p.add_argument("--max-lag", type=int, default=8, help="trainer.max_policy_lag (default 8)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
