@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/async_speedup.py [--config configs/cartpole_ppo.json] [--latency 0.2]
                                                  [--steps 32768] [--num-envs 16] [--buffer-size 32]
-                                                 [--max-lag 8] [--variants standard1,vla1,vla2,vla4,thread]
+                                                 [--max-lag 8] [--per-update actors|one]
+                                                 [--variants standard1,vla1,vla2,vla4,thread]
                                                  [--json out.json] [--keep-runs DIR] [--set KEY=VALUE ...]
 
 Every variant trains the same config to the same number of env steps, with a fixed latency
@@ -23,17 +24,27 @@ Variants 1-2 run the real ``launch/run_local.sh`` (learner, evaluator and actor 
 in its own session and stopped in bounded time (SIGTERM to its process group, SIGKILL after
 ``STOP_TIMEOUT_S``), also on failure or Ctrl-C. Nothing the script starts outlives it.
 
-Why 16 envs x 32 steps by default (512 samples per rollout either way): A actors run A x
-``--num-envs`` envs, each for 1/A of the steps. With 64 envs per actor, vla-4's 256 CartPole envs
-got 128 steps each in 32k steps, never deep into a 500-step episode, and vla-4's return was half
-of standard-1's even without lag (``benchmarks/lag_sensitivity.py``, case 4:0). With 16 per actor,
-vla-4 runs 64 envs for 512 steps each, as many as the 64-env standard run of the old default did.
-The speed-up comes from A models inferring at once, for A times the envs; the latency of a call
-does not depend on its batch here.
+Every variant trains ``--num-envs x --buffer-size`` samples per update (512 by default) for the
+same number of updates. How an update gathers them (``--per-update``):
 
-Every variant gets the same overrides, so they train on the same amount of data with the same
-number of samples per update: ``trainer.total_steps``, ``actors.num_envs``, ``trainer.buffer_size``,
-``trainer.rollouts_per_update=1`` (one rollout per update whatever the number of actors),
+- ``actors`` (the default, and the system's own: ``trainer.rollouts_per_update`` defaults to the
+  number of actors): one rollout from each actor, each ``--buffer-size / actors`` steps long. The
+  actors collect side by side and the learner updates once per round, so a rollout is acted by
+  the version before the one that trains on it: mean lag near 1, whatever the number of actors.
+- ``one``: one rollout of ``--buffer-size`` steps per update whatever the number of actors. An
+  actor loads weights at its rollout boundaries, so while it collects, the learner trains on the
+  other actors' rollouts: mean lag near the number of actors (about 5 with 4). This is the worst
+  case for PPO's return (``benchmarks/lag_sensitivity.py``: lag 4 costs CartPole 13-17%).
+
+Why 16 envs per actor by default: A actors run A x ``--num-envs`` envs, each for 1/A of the steps.
+With 64 envs per actor, vla-4's 256 CartPole envs got 128 steps each in 32k steps, never deep into
+a 500-step episode, and vla-4's return was half of standard-1's even without lag
+(``benchmarks/lag_sensitivity.py``, case 4:0). With 16 per actor, vla-4 runs 64 envs for 512 steps
+each. The speed-up comes from A models inferring at once, for A times the envs; the latency of a
+call does not depend on its batch here.
+
+The other overrides are the same for every variant: ``trainer.total_steps``, ``actors.num_envs``,
+``trainer.buffer_size`` and ``trainer.rollouts_per_update`` as above,
 ``trainer.buffer_capacity=8``, ``trainer.max_policy_lag``, ``trainer.eval_freq=0``,
 ``trainer.save_freq=0``, ``algorithm.cfg.batch_size=256`` (or one update's samples if fewer) and
 ``actors.inference_latency_s``. The config's ``n_epochs`` is kept. The final return is a
@@ -110,16 +121,26 @@ class Result:
 
 # ================================================================== overrides
 
+def rollout_shape(args, actors: int) -> tuple[int, int]:
+    """(steps per rollout, rollouts per update) of a variant with `actors` actors. Every variant
+    trains ``--num-envs x --buffer-size`` samples per update; with ``--per-update actors`` an update
+    takes one rollout from each actor, so each actor's rollouts are ``--buffer-size / actors`` long."""
+    if args.per_update == "one":
+        return args.buffer_size, 1
+    return args.buffer_size // actors, actors
+
+
 def variant_overrides(args, buffer_type: str, actors: int) -> list[str]:
     """The --set overrides of one variant: the user's, then the benchmark's (which win)."""
     samples = args.num_envs * args.buffer_size
+    steps, k = rollout_shape(args, actors)
     return list(args.sets) + [
         f"trainer.buffer_type={buffer_type}",
         f"actors.num_actors={actors}",
         f"trainer.total_steps={args.steps}",
         f"actors.num_envs={args.num_envs}",
-        f"trainer.buffer_size={args.buffer_size}",
-        "trainer.rollouts_per_update=1",
+        f"trainer.buffer_size={steps}",
+        f"trainer.rollouts_per_update={k}",
         "trainer.buffer_capacity=8",
         f"trainer.max_policy_lag={args.max_lag}",
         "trainer.eval_freq=0",
@@ -369,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="envs per actor: one batched policy call serves them all (default 16)")
     p.add_argument("--buffer-size", type=int, default=32, help="steps per env per rollout (default 32)")
     p.add_argument("--max-lag", type=int, default=8, help="trainer.max_policy_lag (default 8)")
+    p.add_argument("--per-update", choices=("actors", "one"), default="actors",
+                   help="actors (default, the system's own default): an update takes one rollout from each "
+                        "actor, rollouts of --buffer-size / actors steps, so the mean lag stays near 1; one: "
+                        "an update takes one rollout of --buffer-size steps whatever the number of actors "
+                        "(lag near the number of actors)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a variant is abandoned (default 900)")
@@ -386,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     if not names or unknown:
         p.error(f"--variants: unknown {unknown}; choose among {', '.join(VARIANTS)}")
     names = [n for n in VARIANTS if n in names]        # the table's order
+    if args.per_update == "actors":
+        uneven = [VARIANTS[n][0] for n in names if args.buffer_size % VARIANTS[n][2]]
+        if uneven:
+            p.error(f"--buffer-size {args.buffer_size} is not a multiple of the number of actors of "
+                    f"{', '.join(uneven)} (--per-update actors splits it over the actors)")
     args.config = args.config.resolve()
 
     from shared.config import ConfigError, load_config
@@ -395,10 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     cfg = cfgs[names[0]]
-    per_update = cfg.actors.num_envs * cfg.trainer.buffer_size
-    print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps, {cfg.actors.num_envs} envs x "
-          f"{cfg.trainer.buffer_size} steps per rollout ({per_update} samples, {math.ceil(args.steps / per_update)} "
-          f"rollouts), 1 rollout per update, {cfg.algorithm.cfg.n_epochs} epochs of minibatch "
+    per_update = args.num_envs * args.buffer_size
+    shape = ("one rollout per update of " if args.per_update == "one" else
+             "an update takes one rollout from each actor, of ")
+    print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps, {cfg.actors.num_envs} envs per "
+          f"actor, {per_update} samples per update ({math.ceil(args.steps / per_update)} updates): {shape}"
+          f"{args.buffer_size} steps{'' if args.per_update == 'one' else ' / actors'}, "
+          f"{cfg.algorithm.cfg.n_epochs} epochs of minibatch "
           f"{cfg.algorithm.cfg.batch_size}, inference latency {args.latency} s per acting call, max lag "
           f"{args.max_lag} | {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}", flush=True)
     if os.getloadavg()[0] > 1.0:
@@ -479,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         doc = {"config": str(args.config), "env": cfg.env.id, "latency_s": args.latency, "steps": args.steps,
-               "num_envs": args.num_envs, "buffer_size": args.buffer_size, "max_policy_lag": args.max_lag,
+               "num_envs": args.num_envs, "buffer_size": args.buffer_size, "per_update": args.per_update,
+               "max_policy_lag": args.max_lag,
                "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
                "overrides": {n: variant_overrides(args, VARIANTS[n][1], VARIANTS[n][2]) for n in names},
                "results": [asdict(r) for r in results],

@@ -3,7 +3,8 @@ measured without wall-clock noise.
 
     .venv/bin/python benchmarks/lag_sensitivity.py [--config configs/cartpole_ppo.json]
                      [--cases 1:0,1:1,4:0,1:4,4:4] [--seeds 1,2,3,4,5,6,7,8] [--steps 32768]
-                     [--num-envs 16] [--buffer-size 32] [--json out.json] [--set KEY=VALUE ...]
+                     [--num-envs 16] [--buffer-size 32] [--per-update one|actors] [--json out.json]
+                     [--set KEY=VALUE ...]
 
 An asynchronous run with A actors differs from a synchronous one with 1 actor in two ways at once:
 
@@ -21,7 +22,10 @@ update u is collected by actor ``u mod A`` with the weights the learner publishe
 ``max(0, u - L)``. No sleeps, no sockets, no scheduling: a case is a deterministic function of its
 seed, and a CartPole run of 32k steps takes about 5 s. ``1:0`` is the synchronous baseline,
 ``4:0`` is 4 actors' envs without lag, ``1:4`` is lag 4 without extra envs, ``4:4`` is what
-``vla`` mode with 4 actors does.
+``vla`` mode with 4 actors and one rollout per update does. With ``--per-update actors`` an update
+instead trains one rollout of ``--buffer-size / A`` steps from each of the A actors, all acted by
+version ``max(0, u - L)``: ``4:1`` is then what ``vla`` mode with 4 actors does by default
+(``trainer.rollouts_per_update`` = number of actors).
 
 Every case gets the benchmark's overrides of ``async_speedup.py`` (one rollout per update, the same
 samples per update, no periodic evaluation) and the final weights get the evaluator's deterministic
@@ -63,8 +67,12 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, steps: int, num_envs: int,
-             buffer_size: int) -> dict:
-    """Train one case to `steps` env steps; returns the final evaluation and the run's numbers."""
+             buffer_size: int, per_update: str = "one") -> dict:
+    """Train one case to `steps` env steps; returns the final evaluation and the run's numbers.
+
+    `per_update` "one": update u trains one rollout of `buffer_size` steps, from actor ``u mod A``;
+    "actors": one rollout of ``buffer_size // A`` steps from every actor (as ``vla`` mode does by
+    default). Either way every rollout of update u is acted by version ``max(0, u - lag)``."""
     import torch
 
     from actors.rollout import Collector
@@ -75,10 +83,15 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     from shared.policies import load_weights_, make_policy
 
     samples = num_envs * buffer_size
+    if per_update not in ("one", "actors"):
+        raise ValueError(f"per_update must be 'one' or 'actors', not {per_update!r}")
+    if per_update == "actors" and buffer_size % actors:
+        raise ValueError(f"buffer_size {buffer_size} is not a multiple of {actors} actors")
+    k, rollout_steps = (1, buffer_size) if per_update == "one" else (actors, buffer_size // actors)
     cfg = load_config(config, list(sets) + [
         f"trainer.seed={seed}", "trainer.buffer_type=vla", f"actors.num_actors={actors}",
-        f"trainer.total_steps={steps}", f"actors.num_envs={num_envs}", f"trainer.buffer_size={buffer_size}",
-        "trainer.rollouts_per_update=1", "trainer.buffer_capacity=8", f"trainer.max_policy_lag={lag}",
+        f"trainer.total_steps={steps}", f"actors.num_envs={num_envs}", f"trainer.buffer_size={rollout_steps}",
+        f"trainer.rollouts_per_update={k}", "trainer.buffer_capacity=8", f"trainer.max_policy_lag={lag}",
         "trainer.eval_freq=0", "trainer.save_freq=0", f"algorithm.cfg.batch_size={min(256, samples)}",
         "actors.inference_latency_s=0"])
     publisher = ListPublisher()
@@ -100,19 +113,19 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
         torch.manual_seed(s)
         env = make_env(cfg.env.id, num_envs, cfg.env.cfg, "cpu")
         policy = make_policy(cfg, env.spec).eval()
-        collectors.append((env, policy, Collector(env, policy, buffer_size, seed=s)))
+        collectors.append((env, policy, Collector(env, policy, rollout_steps, seed=s)))
     lags, seqs, u = [], [0] * actors, 0
     try:
         while not learner.finished:
-            i = u % actors
-            _, policy, collector = collectors[i]
             version = max(0, learner.version - lag)
-            load_weights_(policy, weights[version])
-            rollout, stats, _ = collector.collect(version)
-            learner.ingest(rollout.clone(), {"kind": "rollout", "actor": i, "seq": seqs[i],
-                                             "episode_returns": stats.episode_returns,
-                                             "episode_lengths": stats.episode_lengths})
-            seqs[i] += 1
+            for i in ([u % actors] if k == 1 else range(actors)):
+                _, policy, collector = collectors[i]
+                load_weights_(policy, weights[version])
+                rollout, stats, _ = collector.collect(version)
+                learner.ingest(rollout.clone(), {"kind": "rollout", "actor": i, "seq": seqs[i],
+                                                 "episode_returns": stats.episode_returns,
+                                                 "episode_lengths": stats.episode_lengths})
+                seqs[i] += 1
             batch = learner.take_batch(timeout_s=0.0)
             if batch is None:
                 raise RuntimeError(f"case {actors}:{lag}: the learner did not take the rollout of update {u + 1}")
@@ -161,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="1,2,3,4,5,6,7,8", help="comma-separated trainer.seed values (default 1..8)")
     p.add_argument("--steps", type=int, default=32768, help="env steps per run (default 32768)")
     p.add_argument("--num-envs", type=int, default=16, help="envs per actor (default 16)")
-    p.add_argument("--buffer-size", type=int, default=32, help="steps per env per rollout (default 32)")
+    p.add_argument("--buffer-size", type=int, default=32,
+                   help="steps per env of one update's data (default 32)")
+    p.add_argument("--per-update", choices=("one", "actors"), default="one",
+                   help="one (default): an update trains one rollout of --buffer-size steps, from the actors in "
+                        "turn; actors: one rollout of --buffer-size / A steps from each of the A actors, as vla "
+                        "mode does by default")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every case, applied before the script's own (repeatable)")
@@ -180,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for actors, lag in cases:
         t0 = time.perf_counter()
-        runs = [run_case(args.config, args.sets, actors, lag, s, args.steps, args.num_envs, args.buffer_size)
-                for s in seeds]
+        if args.per_update == "actors" and args.buffer_size % actors:
+            p.error(f"--buffer-size {args.buffer_size} is not a multiple of case {actors}:{lag}'s actors")
+        runs = [run_case(args.config, args.sets, actors, lag, s, args.steps, args.num_envs, args.buffer_size,
+                         args.per_update) for s in seeds]
         returns = [r["eval_return"] for r in runs]
         row = {"actors": actors, "lag": lag, "envs": actors * args.num_envs,
                "steps_per_env": args.steps // (actors * args.num_envs), "returns": returns,
@@ -193,11 +213,13 @@ def main(argv: list[str] | None = None) -> int:
               f"(mean {row['mean']:.1f}, {row['seconds']:.0f} s)", flush=True)
     print()
     print(fmt_table(rows))
-    print(f"\n{args.config.name}, {args.steps} env steps, {args.num_envs} envs x {args.buffer_size} steps per "
-          f"rollout, one rollout per update; seeds {','.join(map(str, seeds))}")
+    shape = ("one rollout per update" if args.per_update == "one" else
+             "an update takes one rollout of --buffer-size / A steps from each of the A actors")
+    print(f"\n{args.config.name}, {args.steps} env steps, {args.num_envs} envs per actor, {args.buffer_size} steps "
+          f"per env per update: {shape}; seeds {','.join(map(str, seeds))}")
     if args.json:
         args.json.write_text(json.dumps({"config": str(args.config), "steps": args.steps, "num_envs": args.num_envs,
-                                         "buffer_size": args.buffer_size, "seeds": seeds, "sets": args.sets,
+                                         "buffer_size": args.buffer_size, "per_update": args.per_update, "seeds": seeds, "sets": args.sets,
                                          "cases": rows, "machine": machine_info()}, indent=1))
     return 0
 

@@ -512,7 +512,10 @@ class Learner:
         a = self.algo
         value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
         terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
-        if a.correction == "none" and not a.recompute_values:
+        recompute = a.recompute_values
+        if recompute is None:     # stale samples carry a stale critic's values: recompute them
+            recompute = bool((flat[keys.POLICY_VERSION] < self.version).any())
+        if a.correction == "none" and not recompute:
             adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
             flat.set(keys.ADVANTAGE, adv)
             flat.set(keys.VALUE_TARGET, target)

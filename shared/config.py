@@ -210,9 +210,13 @@ class PPOConfig(ClippedPGConfig):
     vtrace_lambda: Optional[float] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
-    recompute_values: bool = False
-    """Recompute V(s) with the current critic before GAE, instead of the actor's (stale) values
-    (always on for vtrace)."""
+    recompute_values: Optional[bool] = None
+    """Recompute V(s) with the current critic before GAE, instead of the values the actor's (older)
+    critic gave when it acted. None (default): when the batch holds samples acted by an older
+    version than the learner's (vla mode), which costs one forward pass over the batch and is a
+    no-op on fresh data; true: always; false: never. Always on for vtrace. The bootstrap value
+    after a rollout's last step and after a truncation stays the actor's: its observation is not
+    in the rollout."""
 
 
 @dataclass

@@ -56,3 +56,28 @@ def test_main_prints_table(capsys, tmp_path):
     assert code == 0
     out = capsys.readouterr().out
     assert "vs first" in out and "1.00x" in out and (tmp_path / "o.json").exists()
+
+
+def test_one_rollout_from_each_actor(monkeypatch):
+    """per_update "actors": every update trains a rollout of T/A steps from each actor, all acted by
+    version max(0, u - L)."""
+    from actors.rollout import Collector
+    seen = []
+    real = Collector.collect
+
+    def spy(self, version, *a, **k):
+        seen.append((id(self), version, self.num_steps))
+        return real(self, version, *a, **k)
+
+    monkeypatch.setattr(Collector, "collect", spy)
+    out = lag_sensitivity.run_case(CONFIG, ["algorithm.cfg.n_epochs=1"], actors=4, lag=1, seed=1, steps=1024,
+                                   num_envs=4, buffer_size=16, per_update="actors")
+    updates = 1024 // 64
+    assert out["updates"] == updates and out["env_steps"] == 1024 and out["dropped"] == 0
+    assert len(seen) == 4 * updates and {n for _, _, n in seen} == {4}
+    for u in range(updates):
+        group = seen[4 * u:4 * u + 4]
+        assert len({c for c, _, _ in group}) == 4 and {v for _, v, _ in group} == {max(0, u - 1)}
+    with pytest.raises(ValueError, match="multiple"):
+        lag_sensitivity.run_case(CONFIG, [], actors=3, lag=1, seed=1, steps=64, num_envs=4, buffer_size=16,
+                                 per_update="actors")

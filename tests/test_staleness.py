@@ -163,7 +163,7 @@ def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam):
 def test_corrections_differ_on_stale_data_and_report_weights(tmp_path):
     stats = {}
     for corr in ("none", "vtrace"):
-        cfg, learner = _vla_learner(tmp_path / corr, correction=corr)
+        cfg, learner = _vla_learner(tmp_path / corr, correction=corr, recompute_values=False)
         td, meta = _rollout(cfg, learner, torch.zeros(cfg.actors.num_envs, cfg.trainer.buffer_size,
                                                         dtype=torch.int64))
         for _ in range(3):             # the learner moves on: the rollout is now 3 versions old
@@ -174,6 +174,56 @@ def test_corrections_differ_on_stale_data_and_report_weights(tmp_path):
     assert "rho_mean" not in stats["none"]
     assert stats["vtrace"]["rho_mean"] != pytest.approx(1.0, abs=1e-4)
     assert 0 <= stats["vtrace"]["rho_clipped_frac"] <= 1
+
+
+def _gae_of_update(learner, td, meta, monkeypatch):
+    """The advantages and value targets `update_once` trains on, captured from ppo_update."""
+    import learner.learner as learner_module
+    seen = {}
+    real = learner_module.ppo_update
+
+    def spy(policy, optimizer, batch, cfg, generator, sync_mean=None):
+        seen["adv"], seen["target"] = batch[keys.ADVANTAGE].clone(), batch[keys.VALUE_TARGET].clone()
+        return real(policy, optimizer, batch, cfg, generator, sync_mean=sync_mean)
+
+    monkeypatch.setattr(learner_module, "ppo_update", spy)
+    learner.ingest(td.clone(), meta)
+    stats = learner.update_once(*learner.take_batch(timeout_s=0))
+    monkeypatch.setattr(learner_module, "ppo_update", real)
+    return seen, stats
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_stale_values_are_recomputed_by_default(tmp_path, monkeypatch, setting):
+    """recompute_values None (default): GAE on stale samples uses the current critic's V(s) (the
+    actor's bootstrap after the last step kept); on fresh samples the actor's values, untouched.
+    True: always recompute; False: never."""
+    from learner.advantages import compute_gae
+    from learner.vtrace import current_values
+    cfg, learner = _vla_learner(tmp_path, recompute_values=setting)
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    fresh, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    seen, stats = _gae_of_update(learner, fresh, meta, monkeypatch)   # version 0 data at version 0
+    adv, target = compute_gae(fresh[keys.REWARD], fresh[keys.VALUE], fresh[keys.NEXT_VALUE], fresh[keys.TERMINATED],
+                              fresh[keys.DONE], cfg.algorithm.cfg.gamma, cfg.algorithm.cfg.gae_lambda)
+    torch.testing.assert_close(seen["adv"], adv)
+    assert ("value_shift" in stats) == (setting is True)
+    for _ in range(2):                                               # the learner moves on to version 3
+        _gae_of_update(learner, fresh, meta, monkeypatch)
+    r, d, term, gamma, lam = (fresh[keys.REWARD], fresh[keys.DONE], fresh[keys.TERMINATED], cfg.algorithm.cfg.gamma,
+                              cfg.algorithm.cfg.gae_lambda)
+    with torch.no_grad():                                            # the critic the next update starts with
+        v_now = learner.policy.evaluate_actions(fresh.reshape(-1))[2].view(n, t)
+    seen, stats = _gae_of_update(learner, fresh, meta, monkeypatch)   # version-0 data, 3 versions old
+    if setting is False:
+        expected = compute_gae(r, fresh[keys.VALUE], fresh[keys.NEXT_VALUE], term, d, gamma, lam)
+        assert "value_shift" not in stats
+    else:
+        expected = compute_gae(r, v_now, current_values(v_now, fresh[keys.NEXT_VALUE], d), term, d, gamma, lam)
+        assert stats["value_shift"] > 0
+    torch.testing.assert_close(seen["adv"], expected[0])
+    torch.testing.assert_close(seen["target"], expected[1])
+    assert not torch.allclose(fresh[keys.VALUE], v_now)               # the critic did move: the test can tell
 
 
 @pytest.mark.slow
