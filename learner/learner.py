@@ -506,15 +506,15 @@ class Learner:
         self.policy.train()
         return torch.cat(logps).view(flat.shape), torch.cat(values).view(flat.shape)
 
-    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor) -> dict[str, float]:
+    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor, stale: bool) -> dict[str, float]:
         """Set advantages and value targets on `flat` ``[B, T]`` with the configured off-policy
-        correction (``learner/vtrace.py``). Returns diagnostics for the log."""
+        correction (``learner/vtrace.py``); `stale`: some samples were acted by an older version.
+        Returns diagnostics for the log."""
         a = self.algo
         value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
         terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
-        recompute = a.recompute_values
-        if recompute is None:     # stale samples carry a stale critic's values: recompute them
-            recompute = bool((flat[keys.POLICY_VERSION] < self.version).any())
+        # stale samples carry a stale critic's values: recompute them (by default)
+        recompute = stale if a.recompute_values is None else a.recompute_values
         if a.correction == "none" and not recompute:
             adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
             flat.set(keys.ADVANTAGE, adv)
@@ -575,7 +575,7 @@ class Learner:
             reward = flat[keys.REWARD]
             if self.reward_scaler is not None:
                 reward = self.reward_scaler.scale_by(reward, reward_std)
-            correction_stats = self._correct_and_advantages(flat, reward)
+            correction_stats = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
             stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                sync_mean=self._sync_mean)
             stats.update(correction_stats)
