@@ -1,8 +1,10 @@
 """Strict JSON configuration: typed blocks, every problem reported at once.
 
 The blocks are the seed framework's (``trainer``, ``actors``, ``learner``, ``env``, ``policy``,
-``algorithm``). Each dataclass below owns its defaults and documents its fields; an unknown key,
-a wrong type or an invalid combination raises :class:`ConfigError` naming the file and the key.
+``algorithm``). Each dataclass below owns its defaults and documents its fields; every numeric field
+declares its bounds with ``Annotated[..., Range(...)]`` next to its default (floats must also be finite).
+An unknown key, a wrong type, a value out of range or an invalid combination raises
+:class:`ConfigError` naming the file and the key.
 
     cfg = load_config("configs/cartpole_ppo.json", overrides=["trainer.total_steps=50000"])
 """
@@ -11,31 +13,59 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
     """A configuration file (or override) is invalid; the message lists every problem."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """Bounds of a numeric field, or of each item of a numeric list: ``Annotated[float, Range(gt=0)]``.
+
+    The loader checks them for every dataclass below; a float must also be finite (JSON's ``NaN`` and
+    ``Infinity`` parse), whatever its bounds.
+    """
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def __str__(self) -> str:
+        low = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
+        if low and self.le is not None:
+            return f"in {low[0]}{low[1]}, {self.le}]"
+        bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le))
+        return " and ".join(f"{op} {b}" for op, b in bounds if b is not None)
+
+    def holds(self, x: float) -> bool:
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le))
+
+
+class _OutOfRange(str):
+    """A problem with a value of the right type: the cross-field rules can still run on the config."""
+
+
 @dataclass
 class TrainerConfig:
     exp_name: str = "tandem"
-    seed: int = 1
-    total_steps: int = 200_000
+    seed: Annotated[int, Range(ge=0, le=2**32 - 1)] = 1
+    total_steps: Annotated[int, Range(ge=1)] = 200_000
     """Env steps to collect (all actors together) before the run ends."""
-    buffer_size: int = 128
+    buffer_size: Annotated[int, Range(ge=1)] = 128
     """Steps per env per rollout (T): one rollout is [num_envs, buffer_size]."""
     buffer_type: Literal["standard", "vla"] = "vla"
     """standard: strict on-policy lock-step. vla: asynchronous actors, circular buffer, lag filter."""
-    buffer_capacity: int = 8
+    buffer_capacity: Annotated[int, Range(ge=1)] = 8
     """Circular buffer capacity, in rollouts (vla mode)."""
-    max_policy_lag: int = 4
+    max_policy_lag: Annotated[int, Range(ge=0)] = 4
     """vla mode: rollouts older than this many versions are dropped (counted)."""
     lag_policy: Literal["drop", "pace"] = "drop"
     """vla mode. drop: actors run free; data older than max_policy_lag is dropped (which favours
@@ -47,39 +77,39 @@ class TrainerConfig:
     record: bool = False
     """Store every batch the learner trains on (tensordict memmap under RUN_DIR/record, with its
     order and versions) so that ``launch/replay.py`` can retrain on exactly the same data."""
-    rollouts_per_update: int = 0
+    rollouts_per_update: Annotated[int, Range(ge=0)] = 0
     """Rollouts consumed by one update; 0 means one per actor (num_actors)."""
-    eval_freq: int = 20_000
+    eval_freq: Annotated[int, Range(ge=0)] = 20_000
     """Evaluate (deterministic policy, separate envs) every this many env steps; 0 disables."""
-    save_freq: int = 50_000
+    save_freq: Annotated[int, Range(ge=0)] = 50_000
     """Checkpoint every this many env steps (and always at the end); 0 saves only at the end."""
-    num_eval_episodes: int = 10
+    num_eval_episodes: Annotated[int, Range(ge=1)] = 10
     output_dir: str = "outputs"
     use_wandb: bool = False
     """Mirror TensorBoard scalars to Weights & Biases (needs the wandb package)."""
-    log_interval_s: float = 5.0
+    log_interval_s: Annotated[float, Range(gt=0)] = 5.0
     """Seconds between progress lines."""
 
 
 @dataclass
 class ActorsConfig:
-    num_actors: int = 2
-    num_envs: int = 8
+    num_actors: Annotated[int, Range(ge=1)] = 2
+    num_envs: Annotated[int, Range(ge=1)] = 8
     """Envs per actor process, stepped in-process as one batched env."""
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     """Actor i runs on devices[i % len(devices)]."""
-    sync_every: int = 1
+    sync_every: Annotated[int, Range(ge=1)] = 1
     """Take new weights at most every this many rollouts (newest version only)."""
-    weights_delay_s: float = 0.0
+    weights_delay_s: Annotated[float, Range(ge=0)] = 0.0
     """Injected delay on weight delivery: an actor may only load a weights message that arrived at
     least this many seconds ago (a controlled-staleness knob for studies)."""
-    torch_threads: int = 1
-    slowdown_s: float = 0.0
+    torch_threads: Annotated[int, Range(ge=1)] = 1
+    slowdown_s: Annotated[float, Range(ge=0)] = 0.0
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
-    inference_latency_s: float = 0.0
+    inference_latency_s: Annotated[float, Range(ge=0)] = 0.0
     """Fixed extra latency per acting policy call on every actor, standing in for a large model
     (a VLA's forward pass can take a second); the actor's CPU stays free meanwhile."""
-    slow_actor_ids: list[int] = field(default_factory=list)
+    slow_actor_ids: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
     curve_secret_key: str = ""
     """CURVE: this actor host's secret certificate (its public half must be in the learner's
@@ -93,11 +123,11 @@ class LearnerConfig:
     device: str = "cpu"
     host: str = "127.0.0.1"
     """Address the learner binds; 127.0.0.1 keeps a single-host run off the network."""
-    rollout_port: int = 0
+    rollout_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """TCP port for rollouts (0: pick a free one; endpoints.json tells actors)."""
-    weights_port: int = 0
-    torch_threads: int = 1
-    recv_hwm: int = 16
+    weights_port: Annotated[int, Range(ge=0, le=65535)] = 0
+    torch_threads: Annotated[int, Range(ge=1)] = 1
+    recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
     """Several learner ranks, one per device (e.g. ["cuda:0", "cuda:1"]; ["cpu", "cpu"] runs gloo):
@@ -109,7 +139,7 @@ class LearnerConfig:
     """How weights reach the actors. zmq: in the weights message (any host). shm: written once per
     version into a shared-memory ring on this host, the message carries only where (large models
     with local actors; see shared/shm_weights.py)."""
-    shm_slots: int = 3
+    shm_slots: Annotated[int, Range(ge=1)] = 3
     """shm: versions kept in the ring; an actor more than shm_slots - 1 versions behind re-reads."""
     curve_secret_key: str = ""
     """CURVE: the learner's secret certificate (``launch/make_keys.py``). Set, both learner sockets
@@ -128,7 +158,7 @@ class EnvConfig:
 
 @dataclass
 class NetworkConfig:
-    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    hidden_sizes: list[Annotated[int, Range(ge=1)]] = field(default_factory=lambda: [64, 64])
     activation: Literal["tanh", "relu", "elu", "gelu"] = "tanh"
 
 
@@ -163,9 +193,11 @@ class PolicyConfig:
     critic: Optional[NetConfig] = field(default_factory=NetConfig)
     normalize_obs: bool = True
     """Running mean/std observation normalisation; its statistics are part of the policy state."""
-    clip_obs: float = 10.0
-    log_std_init: float = 0.0
-    """Initial log standard deviation of the Gaussian (Box action spaces)."""
+    clip_obs: Annotated[float, Range(gt=0)] = 10.0
+    """Normalised observations are clipped to [-clip_obs, clip_obs]."""
+    log_std_init: Annotated[float, Range(ge=-20, le=2)] = 0.0
+    """Initial log standard deviation of the Gaussian (Box action spaces); [-20, 2] keeps the std in
+    [2e-9, 7.4]."""
     ortho_init: bool = True
     vla_config: Optional[VLAConfig] = None
     """Only for name "vla"."""
@@ -174,26 +206,27 @@ class PolicyConfig:
 @dataclass
 class ClippedPGConfig:
     """The keys PPO and GRPO share: the clipped-ratio update and its optimiser."""
-    learning_rate: float = 3e-4
+    learning_rate: Annotated[float, Range(gt=0)] = 3e-4
     anneal_lr: bool = False
     """Linearly decay the learning rate to 0 over total_steps."""
-    n_epochs: int = 10
-    batch_size: int = 256
+    n_epochs: Annotated[int, Range(ge=1)] = 10
+    batch_size: Annotated[int, Range(ge=1)] = 256
     """Minibatch size, in samples."""
-    gamma: float = 0.99
-    clip_coef: float = 0.2
-    ent_coef: float = 0.0
-    max_grad_norm: float = 0.5
-    target_kl: Optional[float] = None
+    gamma: Annotated[float, Range(ge=0, le=1)] = 0.99
+    clip_coef: Annotated[float, Range(gt=0)] = 0.2
+    ent_coef: Annotated[float, Range(ge=0)] = 0.0
+    max_grad_norm: Annotated[float, Range(ge=0)] = 0.5
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    target_kl: Optional[Annotated[float, Range(gt=0)]] = None
     """Stop the epochs of an update early once approx-KL exceeds this."""
-    adam_eps: float = 1e-5
+    adam_eps: Annotated[float, Range(gt=0)] = 1e-5
 
 
 @dataclass
 class PPOConfig(ClippedPGConfig):
-    gae_lambda: float = 0.95
+    gae_lambda: Annotated[float, Range(ge=0, le=1)] = 0.95
     clip_vloss: bool = False
-    vf_coef: float = 0.5
+    vf_coef: Annotated[float, Range(ge=0)] = 0.5
     norm_adv: bool = True
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
@@ -203,11 +236,11 @@ class PPOConfig(ClippedPGConfig):
     the current policy at the start of the update, and each advantage is weighted by the truncated
     importance weight min(rho_bar, pi/mu) (decoupled PPO). vtrace: IMPALA's V-trace value targets
     and advantages computed with the current networks, inside the same decoupled clipped update."""
-    rho_bar: float = 1.0
+    rho_bar: Annotated[float, Range(gt=0)] = 1.0
     """Truncation of the importance weights in the advantage (is, vtrace)."""
-    c_bar: float = 1.0
+    c_bar: Annotated[float, Range(gt=0)] = 1.0
     """Truncation of the trace-cutting coefficients c (vtrace)."""
-    vtrace_lambda: Optional[float] = None
+    vtrace_lambda: Optional[Annotated[float, Range(ge=0, le=1)]] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
     recompute_values: Optional[bool] = None
@@ -223,13 +256,13 @@ class PPOConfig(ClippedPGConfig):
 class GRPOConfig(ClippedPGConfig):
     """Group-relative policy optimisation: critic-free, advantages relative to a group of envs
     that start from identical states (see ``learner/grpo.py``)."""
-    n_epochs: int = 4
-    group_size: int = 8
-    """Envs per group; actors.num_envs must be a multiple of it."""
-    kl_coef: float = 0.0
+    n_epochs: Annotated[int, Range(ge=1)] = 4
+    group_size: Annotated[int, Range(ge=2)] = 8
+    """Envs per group; actors.num_envs must be a multiple of it. A group of one has zero advantages."""
+    kl_coef: Annotated[float, Range(ge=0)] = 0.0
     """Weight of the KL penalty to the frozen reference (initial) policy: 0 from scratch, ~0.02 to fine-tune."""
-    eps: float = 1e-8
-    """Added to the within-group standard deviation."""
+    eps: Annotated[float, Range(gt=0)] = 1e-8
+    """Added to the within-group standard deviation (0 would divide by zero when a group's returns tie)."""
     scale_by_std: bool = True
     """Divide by the within-group standard deviation (the original GRPO). ``false`` keeps the
     mean-centred returns (Dr. GRPO, Liu et al. 2025): a group whose returns differ only by noise
@@ -274,6 +307,8 @@ class Config:
 # ----------------------------------------------------------------------------- parsing
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Annotated:
+        return _type_name(typing.get_args(tp)[0])
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (Union, types.UnionType):
@@ -287,6 +322,13 @@ def _type_name(tp: Any) -> str:
 def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     """Check `value` against the annotation `tp`; return the converted value or append an error."""
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        inner, bounds = typing.get_args(tp)
+        n_errors = len(errors)
+        value = _convert(value, inner, path, errors)
+        if len(errors) == n_errors and not bounds.holds(value):
+            errors.append(_OutOfRange(f"{path}: must be {bounds}, got {value}"))
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             errors.append(f"{path}: expected an object, got {type(value).__name__}")
@@ -313,7 +355,13 @@ def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             errors.append(f"{path}: expected a number, got {value!r}")
             return 0.0
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond the float range
+            value = math.inf
+        if not math.isfinite(value):
+            errors.append(_OutOfRange(f"{path}: must be a finite number, got {value}"))
+        return value
     if tp is int:
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
             errors.append(f"{path}: expected an integer, got {value!r}")
@@ -327,7 +375,7 @@ def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
 
 
 def _build(cls: type, raw: dict, path: str, errors: list[str]) -> Any:
-    hints = dict(typing.get_type_hints(cls))
+    hints = dict(typing.get_type_hints(cls, include_extras=True))
     if cls is AlgorithmConfig:  # the cfg block's schema depends on the algorithm's name
         hints["cfg"] = ALGORITHM_CONFIGS.get(raw.get("name"), PPOConfig)
         if "cfg" not in raw:
@@ -345,38 +393,11 @@ def _build(cls: type, raw: dict, path: str, errors: list[str]) -> Any:
 
 
 def _check(cfg: Config) -> list[str]:
-    """Cross-field rules; every violated rule is reported."""
+    """Cross-field rules; every violated rule is reported. Single fields' bounds are their `Range`s."""
     t, a, le, alg, p = cfg.trainer, cfg.actors, cfg.learner, cfg.algorithm.cfg, cfg.policy
     errors = []
     grpo = isinstance(alg, GRPOConfig)
-    positive = {"trainer.total_steps": t.total_steps, "trainer.buffer_size": t.buffer_size,
-                "trainer.buffer_capacity": t.buffer_capacity, "trainer.num_eval_episodes": t.num_eval_episodes,
-                "actors.num_actors": a.num_actors, "actors.num_envs": a.num_envs,
-                "actors.sync_every": a.sync_every, "actors.torch_threads": a.torch_threads,
-                "learner.torch_threads": le.torch_threads, "learner.recv_hwm": le.recv_hwm,
-                "learner.shm_slots": le.shm_slots,
-                "algorithm.cfg.n_epochs": alg.n_epochs, "algorithm.cfg.batch_size": alg.batch_size,
-                "algorithm.cfg.learning_rate": alg.learning_rate,
-                **({"algorithm.cfg.group_size": alg.group_size} if grpo else {})}
-    errors += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
-    non_negative = {"trainer.max_policy_lag": t.max_policy_lag, "actors.weights_delay_s": a.weights_delay_s, "trainer.eval_freq": t.eval_freq,
-                    "trainer.save_freq": t.save_freq, "trainer.rollouts_per_update": t.rollouts_per_update,
-                    "actors.slowdown_s": a.slowdown_s, "actors.inference_latency_s": a.inference_latency_s,
-                    "algorithm.cfg.ent_coef": alg.ent_coef,
-                    "algorithm.cfg.max_grad_norm": alg.max_grad_norm,
-                    "learner.rollout_port": le.rollout_port, "learner.weights_port": le.weights_port}
-    if grpo:
-        non_negative.update({"algorithm.cfg.kl_coef": alg.kl_coef, "algorithm.cfg.eps": alg.eps})
-    else:
-        non_negative["algorithm.cfg.vf_coef"] = alg.vf_coef
-        positive_pg = {"algorithm.cfg.rho_bar": alg.rho_bar, "algorithm.cfg.c_bar": alg.c_bar}
-        errors += [f"{k}: must be > 0, got {v}" for k, v in positive_pg.items() if not v > 0]
-        if alg.vtrace_lambda is not None and not 0.0 <= alg.vtrace_lambda <= 1.0:
-            errors.append(f"algorithm.cfg.vtrace_lambda: must be in [0, 1], got {alg.vtrace_lambda}")
-    errors += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
-    for k in ("gamma",) if grpo else ("gamma", "gae_lambda"):
-        if not 0.0 <= getattr(alg, k) <= 1.0:
-            errors.append(f"algorithm.cfg.{k}: must be in [0, 1], got {getattr(alg, k)}")
+    # the rules also run when a value is out of its Range (a group_size of 0 is reported there)
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
@@ -416,13 +437,16 @@ def _check(cfg: Config) -> list[str]:
             errors.append("trainer.record: recording is for one learner rank (learner.devices has several)")
         if any(d == "cuda" for d in le.devices):
             errors.append(f"learner.devices: name each GPU ('cuda:0', 'cuda:1'), got {le.devices}")
+        if le.rollout_port + world - 1 > 65535:
+            errors.append(f"learner.rollout_port: {le.rollout_port} + {world - 1} (rank r binds rollout_port + r) "
+                          f"is past the last port, 65535")
         if le.rollout_port and le.weights_port and le.rollout_port <= le.weights_port < le.rollout_port + world:
             errors.append(f"learner.weights_port: {le.weights_port} collides with the ranks' rollout ports "
                           f"{le.rollout_port}..{le.rollout_port + world - 1} (rank r binds rollout_port + r)")
         if cfg.rollouts_per_update % world:
             errors.append(f"trainer.rollouts_per_update: {cfg.rollouts_per_update} is not a multiple of the "
                           f"{world} learner ranks (learner.devices); each rank trains on its share")
-    bad_ids = [i for i in a.slow_actor_ids if not 0 <= i < a.num_actors]
+    bad_ids = [i for i in a.slow_actor_ids if i >= a.num_actors]  # negative ids are out of Range
     if bad_ids:
         errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")
     samples = cfg.rollouts_per_update * a.num_envs * t.buffer_size
@@ -459,7 +483,7 @@ def _apply_override(raw: dict, override: str) -> None:
         raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. trainer.total_steps=50000")
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except ValueError:  # JSONDecodeError, or an integer past Python's 4300-digit limit
         value = text  # bare strings: --set env.id=Pendulum-v1
     node = raw
     parts = key.split(".")
@@ -487,8 +511,8 @@ def config_from_dict(raw: dict, source: str = "<dict>", overrides: list[str] = (
         _apply_override(raw, o)
     errors: list[str] = []
     cfg = _build(Config, raw, "", errors)
-    if not errors:
-        errors = _check(cfg)
+    if all(isinstance(e, _OutOfRange) for e in errors):  # every value has its type: the cross-field rules apply
+        errors += _check(cfg)
     if errors:
         lines = "\n".join(f"  {source}: {e}" for e in errors)
         raise ConfigError(f"invalid config ({len(errors)} problem{'s' * (len(errors) > 1)}):\n{lines}")
@@ -507,6 +531,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8 text
         raise ConfigError(f"{path}: cannot read the config file: {e}") from None
+    except ValueError as e:  # an integer past Python's 4300-digit limit
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
     return config_from_dict(raw, source=str(path), overrides=overrides)
 
 

@@ -3,6 +3,7 @@
 Every shipped config must load. Every rejection must be a ``ConfigError`` whose message names the
 file and the dotted key (checked with ``match=``), and one error must list every problem at once.
 Cross-field rules, ``--set`` overrides, defaults and the no-mutation promise are each pinned down.
+Numeric ranges (finite, in bounds, declared on every field) are in ``test_config_ranges.py``.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ def test_every_problem_is_reported_in_one_error(tmp_path):
 
 
 def test_every_cross_field_problem_is_reported_in_one_error(tmp_path):
+    # gamma and gae_lambda are out of their ranges; the cross-field rules still run and report too
     patch = {"algorithm": {"cfg": {"gamma": 1.5, "gae_lambda": -0.1}}, "actors": {"devices": []},
              "learner": {"device": "gpu"}}
     with pytest.raises(ConfigError, match=r"4 problems") as err:
@@ -249,14 +251,6 @@ def test_single_problem_is_singular(tmp_path):
                  r"algorithm\.cfg\.batch_size: 33 is larger .* = 32\)", id="batch_size_rollouts_per_update"),
     pytest.param({"trainer": {"buffer_type": "fifo"}},
                  r"trainer\.buffer_type: expected one of 'standard' \| 'vla', got 'fifo'", id="buffer_type"),
-    pytest.param({"algorithm": {"cfg": {"gamma": 1.01}}}, r"algorithm\.cfg\.gamma: must be in \[0, 1\], got 1\.01",
-                 id="gamma_above_1"),
-    pytest.param({"algorithm": {"cfg": {"gamma": -0.5}}}, r"algorithm\.cfg\.gamma: must be in \[0, 1\]",
-                 id="gamma_negative"),
-    pytest.param({"algorithm": {"cfg": {"gamma": float("nan")}}}, r"algorithm\.cfg\.gamma: must be in \[0, 1\]",
-                 id="gamma_nan"),
-    pytest.param({"algorithm": {"cfg": {"gae_lambda": 2}}}, r"algorithm\.cfg\.gae_lambda: must be in \[0, 1\]",
-                 id="gae_lambda"),
     pytest.param({"actors": {"devices": ["gpu"]}}, r"actors\.devices\[0\]: unknown device 'gpu'", id="device_gpu"),
     pytest.param({"learner": {"devices": ["cpu", "cpu", "cpu"]}}, r"actors\.num_actors: 2 is not a multiple of the 3 "
                  r"learner ranks", id="ranks_actors"),
@@ -269,7 +263,6 @@ def test_single_problem_is_singular(tmp_path):
                  r"actors\.weights_delay_s: a delay cannot be combined", id="shm_delay"),
     pytest.param({"learner": {"curve_secret_key": "k"}}, r"learner\.curve_secret_key / learner\.curve_authorized_keys: "
                  r"set both", id="curve_half"),
-    pytest.param({"algorithm": {"cfg": {"rho_bar": 0}}}, r"algorithm\.cfg\.rho_bar: must be > 0", id="rho_bar"),
     pytest.param({"actors": {"devices": ["cpu", "cuda:x"]}}, r"actors\.devices\[1\]: unknown device 'cuda:x'",
                  id="device_cuda_x"),
     pytest.param({"actors": {"devices": ["cuda:"]}}, r"actors\.devices\[0\]: unknown device 'cuda:'",
@@ -283,13 +276,6 @@ def test_single_problem_is_singular(tmp_path):
     pytest.param({"policy": {"critic": None}}, r"policy\.name: PPO needs a critic.*critic null", id="ppo_no_critic"),
     pytest.param({"policy": {"name": "actor_only"}}, r"policy\.name: PPO needs a critic.*'actor_only'",
                  id="ppo_actor_only"),
-    pytest.param({"trainer": {"total_steps": 0}}, r"trainer\.total_steps: must be > 0, got 0", id="total_steps"),
-    pytest.param({"actors": {"num_envs": -1}}, r"actors\.num_envs: must be > 0, got -1", id="num_envs"),
-    pytest.param({"algorithm": {"cfg": {"learning_rate": 0}}}, r"algorithm\.cfg\.learning_rate: must be > 0",
-                 id="learning_rate"),
-    pytest.param({"trainer": {"max_policy_lag": -1}}, r"trainer\.max_policy_lag: must be >= 0, got -1",
-                 id="max_policy_lag"),
-    pytest.param({"learner": {"rollout_port": -5}}, r"learner\.rollout_port: must be >= 0", id="port"),
     pytest.param({"actors": {"num_actors": 2, "slow_actor_ids": [1, 2]}},
                  r"actors\.slow_actor_ids: ids \[2\] are not in 0\.\.1", id="slow_actor_ids"),
 ])
