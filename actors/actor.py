@@ -76,6 +76,8 @@ class Actor:
         self._synced: list[list] = []                # [[version, received, first acted]] for the next rollout
         self._new_version = False
         self._consumed_base: int | None = None       # the learner's count for this id when we started
+        self._seq_base = 0                           # our seq when that count was taken
+        self.incarnation: str | None = None          # the learner life whose weights we hold
         self._shm = ShmWeightsReader()                # maps the learner's ring when weights come that way
         self._torn = False                           # the policy holds a torn copy: never act with it
         t = cfg.trainer
@@ -116,15 +118,37 @@ class Actor:
         if due is None:
             return
         received, (td, meta) = due
-        version = meta.get("version")
-        if meta.get("kind") == "weights" and isinstance(version, int) and version > self.version:
-            if not load_published_(self.policy, td, meta, self._shm, self.device):
-                log.warning("actor %d: shared-memory weights v%d were rewritten while read; waiting for the next",
-                            self.actor_id, version)
-                self._torn = True
-                return
-            self.version, self._received_at, self._new_version = version, received, True
-            self._torn = False
+        version, incarnation = meta.get("version"), meta.get("incarnation")
+        if meta.get("kind") != "weights" or not (isinstance(version, int) and not isinstance(version, bool)
+                                                 and version >= 0):
+            return
+        # A restarted learner (a new incarnation) counts from its checkpoint's version, which may be
+        # lower than ours: its versions replace ours, whatever the numbers.
+        new_learner = (isinstance(incarnation, str) and self.incarnation is not None
+                       and incarnation != self.incarnation)
+        if version <= self.version and not new_learner:
+            return
+        try:
+            loaded = load_published_(self.policy, td, meta, self._shm, self.device)
+        except Exception as e:   # weights that do not fit this policy: keep acting with ours
+            log.warning("actor %d: weights v%d not loaded: %s", self.actor_id, version, e)
+            self._torn = self._torn or "shm" in meta   # a shared-memory copy may have stopped half-way
+            return
+        if not loaded:
+            log.warning("actor %d: shared-memory weights v%d were rewritten while read; waiting for the next",
+                        self.actor_id, version)
+            self._torn = True
+            return
+        if new_learner:
+            log.info("actor %d: the learner restarted (incarnation %s, version %d; ours was %s, version %d): "
+                     "taking its versions from here", self.actor_id, incarnation, version, self.incarnation,
+                     self.version)
+            self._last_acted = -1                       # standard mode: act with its version at once
+            self._consumed_base, self._seq_base = None, self.seq   # pacing counts start again
+        if isinstance(incarnation, str):
+            self.incarnation = incarnation
+        self.version, self._received_at, self._new_version = version, received, True
+        self._torn = False
 
     def _give_up(self, why: str) -> bool:
         """The learner has been unreachable for `learner_timeout_s`: log, mark failed, stop. Returns False."""
@@ -135,9 +159,11 @@ class Actor:
 
     def _wait_for_version(self, newer_than: int) -> bool:
         """Block until weights newer than `newer_than` are loaded (or stop). False on stop/timeout."""
+        incarnation = self.incarnation
         self._load_due()
         deadline = time.monotonic() + self.learner_timeout_s
-        while self.version <= newer_than:
+        # A restarted learner's weights end the wait whatever their version (see _load_due).
+        while self.version <= newer_than and (incarnation is None or self.incarnation == incarnation):
             if self.stop_event.is_set() or not self._poll(timeout_ms=100):
                 return False
             self._load_due()
@@ -148,7 +174,7 @@ class Actor:
     # ------------------------------------------------------------------ main loop
     def _send(self, rollout: TensorDictBase, stats, index: int) -> bool:
         frames = wire.encode(rollout, kind="rollout", actor=self.actor_id, seq=self.seq,
-                             policy_version=self.version, env_steps=rollout.numel(),
+                             policy_version=self.version, incarnation=self.incarnation, env_steps=rollout.numel(),
                              episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
                              episode_successes=stats.episode_successes,
                              collect_s=stats.collect_s, inference_s=stats.inference_s, env_s=stats.env_s,
@@ -190,9 +216,12 @@ class Actor:
         if not (isinstance(consumed, list) and self.actor_id < len(consumed)
                 and isinstance(consumed[self.actor_id], int)):
             return 0
-        if self._consumed_base is None:      # counts from earlier lives of this actor id
+        source = getattr(self.weights, "consumed_from", None)
+        if source is not None and self.incarnation is not None and source != self.incarnation:
+            return 0                         # another life of the learner counted these: not ours to wait on
+        if self._consumed_base is None:      # counts from earlier lives of this actor id (or of the learner)
             self._consumed_base = consumed[self.actor_id]
-        return self.seq - (consumed[self.actor_id] - self._consumed_base)
+        return (self.seq - self._seq_base) - (consumed[self.actor_id] - self._consumed_base)
 
     def _wait_for_credit(self) -> bool:
         """lag_policy "pace": wait while `max_inflight` of our rollouts are still unconsumed at the

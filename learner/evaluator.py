@@ -7,6 +7,7 @@ back to the learner as a small ``kind="eval"`` message. Training never waits for
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -22,6 +23,8 @@ from shared.policies import make_policy
 from shared.security import CurveClient
 from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
+
+log = logging.getLogger("tandem.evaluator")
 
 
 @torch.inference_mode()
@@ -58,8 +61,9 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
 
 
 def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int,
-                  curve: dict[str, str] | None = None) -> None:
-    """Entry point of the evaluator process (spawned by the learner)."""
+                  curve: dict[str, str] | None = None, token: str | None = None) -> None:
+    """Entry point of the evaluator process (spawned by the learner). Results go to the learner's
+    evaluator socket (``endpoints["eval"]``, loopback) with the per-run `token` the learner gave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C reaches the learner; it stops us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end at once, even mid-evaluation
     torch.set_num_threads(1)
@@ -70,7 +74,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     ctx = zmq.Context()
     client = CurveClient.from_strings(curve) if curve is not None else None
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=client)
-    push = RolloutPusher(ctx, endpoints["rollouts"], hwm=16, curve=client)
+    push = RolloutPusher(ctx, endpoints["eval"], hwm=16)   # loopback to our parent: no CURVE needed
     shm = ShmWeightsReader()
     next_eval = t.eval_freq
     count = 0
@@ -85,7 +89,10 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 if meta.get("who") == "actors":
                     continue  # the run is over for actors; the final weights follow
                 break
-            steps = int(meta.get("env_steps", 0))
+            steps = meta.get("env_steps", 0)
+            if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+                log.warning("evaluator: weights message with env_steps %r ignored", steps)
+                continue
             final = bool(meta.get("final"))
             if not (final or (t.eval_freq and steps >= next_eval)):
                 continue
@@ -93,14 +100,18 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 last["final"] = True
                 push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
                 continue
-            if not load_published_(policy, td, meta, shm, "cpu"):
-                continue   # a torn shared-memory read: evaluate the next version instead
+            try:
+                if not load_published_(policy, td, meta, shm, "cpu"):
+                    continue   # a torn shared-memory read: evaluate the next version instead
+            except Exception as e:   # weights that do not fit this policy: skip them, never die
+                log.warning("evaluator: could not load weights version %r: %s", meta.get("version"), e)
+                continue
             t0 = time.perf_counter()
             returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
-            last = dict(kind="eval", sender="evaluator", version=meta.get("version"), env_steps=steps,
+            last = dict(kind="eval", sender="evaluator", token=token, version=meta.get("version"), env_steps=steps,
                         returns=returns, lengths=lengths, successes=successes, final=final,
                         eval_s=time.perf_counter() - t0)
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from learner.minibatch import run_epochs
+from learner.minibatch import log_ratio as clamped_log_ratio, run_epochs
 from shared import keys
 from shared.config import GRPOConfig
 
@@ -65,14 +65,14 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
 def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[str, torch.Tensor]:
     """Losses and diagnostics on one minibatch ``[B]`` of unmasked samples."""
     new_logp, entropy, _ = policy.evaluate_actions(mb)
-    log_ratio = new_logp - mb[keys.LOG_PROB]
+    log_ratio = clamped_log_ratio(new_logp, mb[keys.LOG_PROB])
     ratio = log_ratio.exp()
     adv = mb[keys.ADVANTAGE]
     pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
     ent = entropy.mean()
     out = {"loss_policy": pg_loss, "loss_entropy": -cfg.ent_coef * ent, "entropy": ent.detach()}
     if cfg.kl_coef > 0:
-        d = mb["ref_log_prob"] - new_logp
+        d = clamped_log_ratio(mb["ref_log_prob"], new_logp)
         kl = (d.exp() - d - 1).mean()                         # k3 estimator of KL(policy || reference)
         out["loss_kl"] = cfg.kl_coef * kl
         out["kl_ref"] = kl.detach()

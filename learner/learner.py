@@ -21,6 +21,7 @@ import math
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,8 +33,10 @@ from actors.rollout import rollout_template
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
 from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.grpo import MASK, grpo_advantages, grpo_update
 from learner.logs import RunLogger, fmt_num
+from learner.minibatch import log_ratio
 from learner.ppo import ppo_update
 from learner.vtrace import current_values, vtrace
 from shared import keys
@@ -68,32 +71,7 @@ class ListPublisher:
         self.controls.append(meta)
 
 
-MAX_ABS_VALUE = 1e8   # larger floats in a rollout are refused: they overflow the loss in float32
-
-
-class RejectedMessage(ValueError):
-    """A message the learner will not take; the text names the sender and what is wrong."""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _checked_eval(meta: dict) -> dict:
-    """An evaluator's result with the fields the learner logs, type-checked (any peer can send one)."""
-    returns, lengths = meta.get("returns"), meta.get("lengths")
-    ok = (isinstance(returns, list) and isinstance(lengths, list) and len(returns) == len(lengths)
-          and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in returns)
-          and all(_is_int(n) for n in lengths)
-          and _is_int(meta.get("version")) and _is_int(meta.get("env_steps")))
-    if not ok:
-        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: needs returns (numbers), "
-                              f"lengths (ints) of the same length, version and env_steps (ints)")
-    successes = meta.get("successes") or []
-    if not (isinstance(successes, list) and all(isinstance(x, bool) for x in successes)):
-        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: successes must be booleans")
-    return {"returns": [float(r) for r in returns], "lengths": lengths, "successes": successes,
-            "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final"))}
+MAX_FAILED_UPDATES = 10   # updates in a row with no finite optimiser step before the run stops
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
@@ -164,9 +142,11 @@ class Learner:
         self.env_steps_trained = 0
         self.updates = 0
         self.counts = {"rollouts": 0, "dropped_lag": 0, "overwritten": 0, "dropped_other": 0, "malformed": 0,
-                       "rejected": 0}
-        self._known_senders: set[int] = set()
-        self._refused_senders: dict[int, str] = {}
+                       "rejected": 0, "skipped_steps": 0, "failed_updates": 0}
+        # This life of the learner: a new one after every restart (--resume too). Weights messages
+        # carry it, so that actors take a restarted learner's versions even when they are lower.
+        self.incarnation = uuid.uuid4().hex[:16]
+        self._failed_in_a_row = 0
         self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
         self._successes: deque[bool] = deque(maxlen=100)
         n_act = cfg.actors.num_actors
@@ -185,7 +165,7 @@ class Learner:
                          if cfg.learner.rank_digests and self.run_dir is not None else None)
         self.shm_writer = None
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
-        self.evals: "queue.Queue[dict]" = queue.Queue()
+        self.evals: "queue.Queue[dict]" = queue.Queue(maxsize=64)   # results from the evaluator
         self.last_eval: dict | None = None
         self.start_time = time.time()
         self.accepting = True          # False once training is over (final checkpoint and eval)
@@ -199,129 +179,16 @@ class Learner:
         if cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main):
             tag = hashlib.sha1(str(self.run_dir or id(self)).encode()).hexdigest()[:12]
             self.shm_writer = ShmWeightsWriter(weights_td(self.policy), default_path(tag), cfg.learner.shm_slots)
+        self.intake = Intake(self)   # the receiver thread's checks and bookkeeping (learner/ingest.py)
 
     # ================================================================ receiving (any thread)
-    def _check_schema(self, td: TensorDictBase) -> list[str]:
-        """Every way `td` differs from the rollout the learner expects (keys, shapes, dtypes)."""
-        problems = []
-        expected = dict(self.template.items(include_nested=True, leaves_only=True))
-        got = dict(td.items(include_nested=True, leaves_only=True))
-        for k in expected.keys() - got.keys():
-            problems.append(f"missing {k!r}")
-        for k in got.keys() - expected.keys():
-            problems.append(f"unexpected {k!r}")
-        for k in expected.keys() & got.keys():
-            e, g = expected[k], got[k]
-            if e.shape != g.shape or e.dtype != g.dtype:
-                problems.append(f"{k!r} is {g.dtype} {list(g.shape)}, expected {e.dtype} {list(e.shape)}")
-        return problems
-
-    def _check_values(self, td: TensorDictBase) -> str | None:
-        """Values a well-behaved actor cannot produce and that would break the update (a finite but
-        absurd number overflows the loss; an out-of-range action index fails inside it)."""
-        for k, v in td.items(include_nested=True, leaves_only=True):
-            if v.dtype.is_floating_point and v.numel():
-                if not bool(torch.isfinite(v).all()):
-                    return f"rollout {k!r} holds NaN or inf"
-                if float(v.abs().max()) > MAX_ABS_VALUE:
-                    return f"rollout {k!r} holds values beyond +-{MAX_ABS_VALUE:g}"
-        act = self.spec.action
-        if act.kind == "discrete":
-            a = td[keys.ACTION]
-            if bool(((a < 0) | (a >= act.n)).any()):
-                return f"rollout 'action' outside 0..{act.n - 1}"
-            if bool((td[keys.LOG_PROB] > 1e-4).any()):
-                return "rollout 'sample_log_prob' > 0 for a discrete action"
-        return None
-
     def ingest(self, td: TensorDictBase, meta: dict) -> None:
-        """Take one decoded message. Rollouts go through schema and lag checks into the buffer.
+        """Take one decoded rollout (in-process use; the receiver thread calls ``self.intake``).
 
         Raises:
             RejectedMessage: naming the sender and the problem; nothing was stored.
         """
-        kind = meta.get("kind")
-        if kind == "eval":
-            self.evals.put(_checked_eval(meta))
-            return
-        if not self.accepting:
-            return  # the run is over; this rollout is neither counted nor stored
-        if kind != "rollout":
-            raise RejectedMessage(f"message of kind {kind!r} (from {meta.get('actor', meta.get('sender'))!r}): "
-                                  f"the learner accepts 'rollout' and 'eval'")
-        actor = meta.get("actor")
-        if not _is_int(actor) or not 0 <= actor < self.cfg.actors.num_actors:
-            raise RejectedMessage(f"rollout without a valid 'actor' id (got {actor!r}; actors.num_actors is "
-                                  f"{self.cfg.actors.num_actors})")
-        try:
-            self._accept(td, meta, actor)
-        except RejectedMessage:
-            with self._lock:   # a refused rollout is finished too: a pacing actor must not wait for it
-                self.finished_per_actor[actor] += 1
-            raise
-
-    def _accept(self, td: TensorDictBase, meta: dict, actor: int) -> None:
-        """The checks and bookkeeping of one rollout from a valid actor id (see :meth:`ingest`)."""
-        if actor in self._refused_senders:
-            raise RejectedMessage(f"actor {actor}: refused earlier: {self._refused_senders[actor]}")
-        problems = self._check_schema(td)
-        if problems:
-            why = "rollout does not match the learner's schema: " + "; ".join(problems[:3]) + (
-                f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
-            if actor not in self._known_senders:  # refused at its first message, for good
-                self._refused_senders[actor] = why
-            raise RejectedMessage(f"actor {actor}: {why}")
-        bad = self._check_values(td)
-        if bad:
-            raise RejectedMessage(f"actor {actor}: {bad}")
-        self._known_senders.add(actor)
-        versions = td[keys.POLICY_VERSION]
-        vmin, vmax = int(versions.min()), int(versions.max())
-        now = time.time()
-        seq, sent = meta.get("seq"), meta.get("time")
-        # Only well-typed values reach versions.jsonl: a peer's meta must never break the log writer.
-        uniq, counts = torch.unique(versions, return_counts=True)
-        lengths_ok = [n for n in (meta.get("episode_lengths") or []) if _is_int(n)] \
-            if isinstance(meta.get("episode_lengths"), list) else []
-        info = {"actor": actor, "seq": seq if _is_int(seq) else None, "policy_version": vmin,
-                "policy_version_max": vmax, "env_steps": td.numel(),
-                "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": len(lengths_ok),
-                "episode_length_mean": sum(lengths_ok) / len(lengths_ok) if lengths_ok else None,
-                "sent": float(sent) if isinstance(sent, (int, float)) and not isinstance(sent, bool) else None,
-                "received": now}
-        if vmax > self.version:
-            raise RejectedMessage(f"actor {actor}: rollout claims version {vmax}, newer than the learner's "
-                                  f"{self.version}")
-        returns, lengths = meta.get("episode_returns") or [], meta.get("episode_lengths") or []
-        self._note_syncs(actor, meta.get("synced"))
-        with self._lock:
-            self.env_steps += td.numel()
-            self._steps_per_actor[actor] += td.numel()
-            self.counts["rollouts"] += 1
-            if self.first_rollout_time is None:
-                self.first_rollout_time = now
-            self.last_rollout_time = now
-            successes = meta.get("episode_successes") or []
-            if isinstance(successes, list):
-                self._successes.extend(x for x in successes if isinstance(x, bool))
-            if isinstance(returns, list) and isinstance(lengths, list):
-                for r, n in zip(returns, lengths):
-                    if isinstance(r, (int, float)) and _is_int(n) and math.isfinite(r):
-                        self._episodes.append((float(r), n))
-        if self.discard:
-            return
-        if self.reward_scaler is not None:
-            self.reward_scaler.observe(actor, td[keys.REWARD], td[keys.DONE])
-        lag = self.version - vmin
-        too_old = lag > (0 if self.standard else self.cfg.trainer.max_policy_lag)
-        if too_old:
-            self._drop(info, "lag")
-            return
-        overwritten = self.buffer.put(td, info)
-        if overwritten is not None:
-            self._drop(overwritten, "overwritten")
-        with self._data_ready:
-            self._data_ready.notify_all()
+        self.intake.rollout(td, meta)
 
     def _drop(self, info: dict, reason: str) -> None:
         with self._lock:
@@ -347,40 +214,6 @@ class Learner:
                                    episode_length_mean=info["episode_length_mean"], received=info["received"],
                                    sent=info["sent"], **extra)
 
-    def _note_syncs(self, actor: int, synced: Any) -> None:
-        """Weight-sync delays an actor reports: ``[[version, received, first_acted], ...]`` for each
-        version it started acting with since its last rollout. Ill-typed entries are ignored."""
-        if not isinstance(synced, list):
-            return
-        for item in synced[:16]:
-            if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0])
-                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1:])):
-                continue
-            version, received, acted = item[0], float(item[1]), float(item[2])
-            published = self.publish_times.get(version)
-            if published is None or not (math.isfinite(received) and math.isfinite(acted)):
-                continue
-            delay = acted - published
-            with self._lock:
-                self._sync_delays.append(delay)
-            if self.logger is not None:
-                self.logger.versions.write(event="sync", actor=actor, version=version, time=acted,
-                                           published=published, received=received, delay_s=delay)
-
-    def note_malformed(self, sender: str, error: str) -> None:
-        with self._lock:
-            self.counts["malformed"] += 1
-            n = self.counts["malformed"]
-        if n <= 10 or n % 1000 == 0:  # a flood of garbage must not flood the log
-            log.warning("dropped malformed message #%d from %s: %s", n, sender, error)
-
-    def note_rejected(self, error: str) -> None:
-        with self._lock:
-            self.counts["rejected"] += 1
-            n = self.counts["rejected"]
-        if n <= 10 or n % 1000 == 0:
-            log.warning("rejected message #%d: %s", n, error)
-
     # ================================================================ training (main thread)
     def publish(self, final: bool = False, event: str = "publish") -> None:
         if self.ranks is not None and not self.ranks.is_main:
@@ -402,14 +235,15 @@ class Learner:
         finished = self.finished_counts()
         self._credit_sent, self._credit_time = finished, now
         # `consumed`: per actor, its rollouts the learner has consumed or dropped (lag_policy "pace").
-        self.publisher.publish(weights, kind="weights", version=self.version,
+        self.publisher.publish(weights, kind="weights", version=self.version, incarnation=self.incarnation,
                                env_steps=self.env_steps + self.peer_env_steps, final=final, time=now,
                                consumed=finished, **extra)
         if self.shm_writer is not None:
             self.shm_writer.write_body(weights_td(self.policy), self.version)
         if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event=event, version=self.version, time=time.time(),
-                                       env_steps=self.env_steps + self.peer_env_steps, updates=self.updates)
+                                       env_steps=self.env_steps + self.peer_env_steps, updates=self.updates,
+                                       incarnation=self.incarnation)
 
     def maybe_send_credit(self, min_interval_s: float = 0.2) -> None:
         """lag_policy "pace": tell actors about rollouts finished (mostly dropped ones) since the last
@@ -419,7 +253,7 @@ class Learner:
         now = time.time()
         finished = self.finished_counts()
         if finished != self._credit_sent and now - self._credit_time >= min_interval_s:
-            self.publisher.send_control(kind="credit", consumed=finished, time=now)
+            self.publisher.send_control(kind="credit", consumed=finished, time=now, incarnation=self.incarnation)
             self._credit_sent, self._credit_time = finished, now
 
     def finished_counts(self) -> list[int]:
@@ -529,7 +363,7 @@ class Learner:
                                       a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda)
         else:
             adv, target = compute_gae(reward, value_now, next_now, terminated, done, a.gamma, a.gae_lambda)
-            rho = (logp_now - flat[keys.LOG_PROB]).exp()
+            rho = log_ratio(logp_now, flat[keys.LOG_PROB]).exp()
             if a.correction == "is":
                 adv = adv * rho.clamp(max=a.rho_bar)
         flat.set(keys.ADVANTAGE, adv)
@@ -579,10 +413,7 @@ class Learner:
             stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                sync_mean=self._sync_mean)
             stats.update(correction_stats)
-        checked = {k: stats[k] for k in ("loss_policy", "value_loss", "grad_norm") if k in stats}
-        if not all(math.isfinite(v) for v in checked.values()):
-            raise FloatingPointError(f"non-finite loss at update {self.updates + 1} (version {self.version}): "
-                                     f"{checked}")
+        self._note_skips(stats)
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.
         self.policy.update_normalizer(flat[keys.OBS], all_reduce=self.ranks.all_reduce_sum if self.ranks else None)
@@ -602,6 +433,25 @@ class Learner:
         self._log_update(stats, lags, update_s, infos)
         return stats
 
+    def _note_skips(self, stats: dict[str, float]) -> None:
+        """Count optimiser steps skipped for a non-finite loss or gradient. An update that took no
+        step at all still publishes (standard-mode actors wait for a new version), with the same
+        weights; only a run whose updates keep failing stops, with the reason."""
+        skipped = int(stats.get("skipped_steps", 0))
+        with self._lock:
+            self.counts["skipped_steps"] += skipped
+            if skipped and not stats.get("steps"):
+                self.counts["failed_updates"] += 1
+        if skipped:
+            log.warning("update %d: skipped %d of %d optimiser steps (non-finite loss or gradient); the weights "
+                        "stay as they were for those", self.updates + 1, skipped, skipped + int(stats.get("steps", 0)))
+        self._failed_in_a_row = self._failed_in_a_row + 1 if skipped and not stats.get("steps") else 0
+        if self._failed_in_a_row >= MAX_FAILED_UPDATES:
+            raise FloatingPointError(
+                f"{self._failed_in_a_row} updates in a row took no optimiser step: every minibatch had a non-finite "
+                f"loss or gradient (version {self.version}). The data or the config (learning_rate, clip_coef, "
+                f"max_grad_norm, reward scale) is breaking the update; the last good weights are in the checkpoints.")
+
     def _log_update(self, stats: dict[str, float], lags: torch.Tensor, update_s: float, infos: list[dict]) -> None:
         with self._lock:
             episodes = list(self._episodes)
@@ -611,7 +461,7 @@ class Learner:
         # loss/policy, loss/value and loss/entropy are the unweighted terms; the coefficients are in the config
         names = {"loss_policy": "policy", "value_loss": "value", "entropy": "entropy", "approx_kl": "approx_kl",
                  "clip_frac": "clip_frac", "grad_norm": "grad_norm", "explained_variance": "explained_variance",
-                 "epochs": "epochs", "kl_ref": "kl_ref", "samples": "samples"}
+                 "epochs": "epochs", "kl_ref": "kl_ref", "samples": "samples", "skipped_steps": "skipped_steps"}
         values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
         values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift")
                        if k in stats})
@@ -643,7 +493,8 @@ class Learner:
             values.update({"sync/delay_s": sum(delays) / len(delays), "sync/delay_max_s": max(delays)})
         values.update({"buffer/fill": len(self.buffer), "buffer/dropped_lag": counts["dropped_lag"],
                        "buffer/overwritten": counts["overwritten"], "wire/malformed": counts["malformed"],
-                       "wire/rejected": counts["rejected"]})
+                       "wire/rejected": counts["rejected"], "train/skipped_steps_total": counts["skipped_steps"],
+                       "train/failed_updates": counts["failed_updates"]})
         if self.curve is not None:
             values["wire/auth_refused"] = self.curve.refused
         self._wait_s = 0.0

@@ -3,6 +3,7 @@ early stop on approx-KL. Each algorithm keeps its own loss (``learner/ppo.py``, 
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -10,6 +11,16 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 LossFn = Callable[[TensorDictBase], dict[str, torch.Tensor]]
+
+# Log-ratios are clamped to +-LOG_RATIO_MAX before exp: a behaviour log-prob far from the current
+# policy's (a stale or buggy actor) then gives a large but finite ratio with no gradient through
+# the clamp, instead of inf * 0 = NaN in the loss.
+LOG_RATIO_MAX = 20.0
+
+
+def log_ratio(new_log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """``log(pi_new / pi_old)``, computed in log space and clamped to ``+-LOG_RATIO_MAX``."""
+    return (new_log_prob - old_log_prob).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
 
 
 def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, torch.Tensor],
@@ -21,13 +32,17 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
 
     `loss_fn(minibatch)` returns a dict: keys starting with ``loss_`` are summed and minimised, the
     rest (``approx_kl`` among them) are only averaged for logging. Returns those means, plus
-    ``grad_norm`` and ``epochs`` (fewer than `n_epochs` when `target_kl` stopped the update early).
+    ``grad_norm``, ``epochs`` (fewer than `n_epochs` when `target_kl` stopped the update early),
+    ``steps`` (optimiser steps taken) and ``skipped_steps``: a minibatch whose loss or gradient norm
+    is not finite takes no optimiser step (the weights and Adam's moments stay as they were) and
+    is left out of the means. With DDP the gradients are all-reduced in ``backward``, so every rank
+    sees the same norm and skips the same steps.
     """
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
     params = [p for p in policy.parameters() if p.requires_grad]
     sums: dict[str, torch.Tensor] = {}   # kept on the device: no host sync per minibatch
-    count = epochs = 0
+    count = epochs = skipped = 0
     for _ in range(n_epochs):
         epochs += 1
         perm = torch.randperm(n, generator=generator).to(device)
@@ -38,13 +53,14 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
             out = loss_fn(mb)
             loss = sum(v for k, v in out.items() if k.startswith("loss_"))
-            if not bool(torch.isfinite(loss)):  # before the step: the weights stay as they were
-                raise FloatingPointError(f"non-finite loss {float(loss)} in epoch {epochs}, "
-                                         f"minibatch {count} ({ {k: float(v) for k, v in out.items()} })")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            out["grad_norm"] = (nn.utils.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0
-                                else torch.zeros((), device=device))
+            # the total norm (and clipping, when on); inf or NaN if any gradient is
+            out["grad_norm"] = nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+            if not bool(torch.isfinite(loss.detach() + out["grad_norm"])):   # one host sync per minibatch
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             optimizer.step()
             for k, v in out.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
@@ -57,5 +73,5 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             if float(kl) > target_kl:
                 break
     result = {k: float(v) / max(count, 1) for k, v in sums.items()}
-    result["epochs"] = epochs
+    result.update(epochs=epochs, steps=count, skipped_steps=skipped)
     return result

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from learner.minibatch import run_epochs
+from learner.minibatch import log_ratio as clamped_log_ratio, run_epochs
 from shared import keys
 from shared.config import PPOConfig
 
@@ -19,7 +19,7 @@ from shared.config import PPOConfig
 def ppo_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig) -> dict[str, torch.Tensor]:
     """Losses and diagnostics on one minibatch ``[B]``. Keys starting with ``loss_`` are summed."""
     new_logp, entropy, new_value = policy.evaluate_actions(mb)
-    log_ratio = new_logp - mb[keys.LOG_PROB]
+    log_ratio = clamped_log_ratio(new_logp, mb[keys.LOG_PROB])
     ratio = log_ratio.exp()
     adv = mb[keys.ADVANTAGE]
     if cfg.norm_adv and adv.numel() > 1:

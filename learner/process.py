@@ -1,29 +1,42 @@
-"""The learner process: sockets, receiver thread, evaluator process, main loop, clean shutdown."""
+"""The learner process: sockets, receiver thread, evaluator process, main loop, clean shutdown.
+
+:func:`run_learner_process` reads as three steps: :meth:`LearnerRun.start` (sockets, the
+:class:`Learner`, the receiver thread, the evaluator), :meth:`LearnerRun.loop` (updates until
+``total_steps`` or a stop signal) and :meth:`LearnerRun.shutdown` (final checkpoint, final
+evaluation, ``summary.json``, sockets closed). The receiver thread hands every message to
+``learner.intake`` (``learner/ingest.py``), which never raises; if the thread dies anyway, the
+main loop notices within one turn and the process exits non-zero with the reason.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 import zmq
 
-from learner.evaluator import run_evaluator
-from learner.learner import Learner, RejectedMessage
-from learner.logs import RunLogger
-from shared import wire
-from shared.config import Config, save_config
 from learner.distributed import ranks_from_env
+from learner.evaluator import run_evaluator
+from learner.learner import Learner
+from learner.logs import RunLogger
+from shared.config import Config, save_config
+from shared.console import say
 from shared.security import server_from_config
 from shared.transport import WeightsPublisher, bind, write_endpoints
 
 log = logging.getLogger("tandem.learner")
+
+RECV_MEMORY_BYTES = 2 << 30    # rollouts queued in the receive socket, at most (bounds RCVHWM)
+EVAL_MAX_BYTES = 1 << 20       # an evaluation result is a few numbers per episode
 
 
 def _sender(frames: list) -> str:
@@ -31,7 +44,7 @@ def _sender(frames: list) -> str:
     try:
         address = frames[0].get("Peer-Address")
     except (zmq.ZMQError, AttributeError, IndexError):
-        return "an unknown peer on the rollout socket"
+        return "an unknown peer"
     try:
         user = frames[0].get("User-Id")
     except (zmq.ZMQError, AttributeError):
@@ -40,26 +53,292 @@ def _sender(frames: list) -> str:
     return address + (f" (key {user})" if user else "")
 
 
-def _receive_loop(learner: Learner, sock: zmq.Socket, stop: threading.Event) -> None:
-    """Receiver thread: decode and ingest until `stop`. Bad input is counted, never raised."""
-    while not stop.is_set():
-        if not sock.poll(50):
-            continue
+def _receive_loop(learner: Learner, socks: dict[str, zmq.Socket], stop: threading.Event, died: list) -> None:
+    """Receiver thread: hand every message to ``learner.intake`` until `stop`. The intake never
+    raises; anything else that goes wrong is recorded in `died` for the main loop to report."""
+    poller = zmq.Poller()
+    names = {}
+    for name, sock in socks.items():
+        poller.register(sock, zmq.POLLIN)
+        names[sock] = name
+    try:
+        while not stop.is_set():
+            for sock, _ in poller.poll(50):
+                frames = sock.recv_multipart(copy=False)
+                learner.intake.handle(frames, _sender(frames), names[sock])
+    except zmq.ContextTerminated:
+        pass
+    except BaseException as e:    # noqa: BLE001 - reported by the main loop, which exits non-zero
+        died.append(f"{type(e).__name__}: {e}")
+        log.exception("receiver thread died")
+
+
+class LearnerRun:
+    """One learner process's resources, from :meth:`start` to :meth:`shutdown`."""
+
+    def __init__(self, cfg: Config, run_dir: Path, evaluator: bool, discard: bool):
+        self.cfg, self.run_dir, self.evaluator, self.discard = cfg, Path(run_dir), evaluator, discard
+        self.stop = threading.Event()            # a signal: SIGINT or SIGTERM
+        self.reason: list[str] = []
+        self.recv_stop = threading.Event()
+        self.receiver_died: list[str] = []
+        self.eval_proc = None
+        self.held = None                          # several ranks: this rank's batch, waiting for the others
+
+    # ================================================================ setup
+    @classmethod
+    def start(cls, cfg: Config, run_dir: Path, resume: bool, evaluator: bool, discard: bool) -> LearnerRun:
+        self = cls(cfg, run_dir, evaluator, discard)
+        torch.set_num_threads(cfg.learner.torch_threads)
+        self.ranks = ranks_from_env(cfg.learner.devices)     # started by torchrun with several ranks
+        if self.ranks is not None and discard:
+            raise ValueError("--discard (the transport benchmark) runs one learner rank, not several")
+        self.main = self.ranks is None or self.ranks.is_main
+        if self.ranks is not None:
+            cfg.learner.device = str(self.ranks.device)
+        (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if self.main:
+            save_config(cfg, self.run_dir / "config.json")
+        self._install_signals()
+        self.curve = server_from_config(cfg)   # bad key files fail here, before any socket exists
+        self.ctx = zmq.Context()
+        if self.curve is not None:
+            self.curve.start(self.ctx)
+        elif cfg.learner.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("learner.host is %s and CURVE is off: anyone who can reach these ports can send "
+                        "rollouts and read the weights (see README: running across hosts)", cfg.learner.host)
+        self.publisher = (WeightsPublisher(self.ctx, cfg.learner.host, cfg.learner.weights_port, curve=self.curve)
+                          if self.main else NullPublisher())
+        self.logger = (RunLogger(self.run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict()) if self.main
+                       else RunLogger(self.run_dir, use_tensorboard=False, suffix=f".rank{self.ranks.rank}"))
+        self.learner = Learner(cfg, self.run_dir, self.publisher, resume=resume, logger=self.logger,
+                               discard=discard, ranks=self.ranks)
+        self.learner.curve = self.curve
+        self._bind_receivers()
+        self._write_endpoints()
+        ranks = self.ranks
+        say(f"[learner{f' rank {ranks.rank}/{ranks.world}' if ranks else ''}] run dir {self.run_dir} | rollouts "
+            f"{self.endpoints['rollouts']} | weights {self.publisher.endpoint} | mode {cfg.trainer.buffer_type} | "
+            f"{cfg.env.id} | incarnation {self.learner.incarnation}"
+            + (f" | resumed at v{self.learner.version}" if resume else ""))
+        self._start_evaluator()
+        self.receiver = threading.Thread(target=_receive_loop, name="receiver", daemon=True,
+                                         args=(self.learner, self.socks, self.recv_stop, self.receiver_died))
+        self.receiver.start()
+        # After --resume the checkpoint's version was published before: log a "resume" line, not a second publish.
+        self.learner.publish(event="resume" if self.learner.resumed_from is not None else "publish")
+        return self
+
+    def _install_signals(self) -> None:
+        def _on_signal(signum, frame):  # only set a flag: never raise inside a ZeroMQ call
+            self.reason.append(signal.Signals(signum).name)
+            self.stop.set()
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
+
+    def _bind_receivers(self) -> None:
+        """The rollout socket, sized from the rollout schema, and the evaluator's own socket."""
+        cfg, intake = self.cfg, self.learner.intake
+        pull = self.ctx.socket(zmq.PULL)
+        if self.curve is not None:
+            self.curve.apply(pull)
+        pull.setsockopt(zmq.LINGER, 0)
+        # A peer that sends a frame larger than any rollout frame is disconnected by ZeroMQ itself.
+        pull.setsockopt(zmq.MAXMSGSIZE, intake.max_frame_bytes)
+        hwm = min(cfg.learner.recv_hwm, max(2, RECV_MEMORY_BYTES // intake.max_message_bytes))
+        pull.setsockopt(zmq.RCVHWM, hwm)
+        port = cfg.learner.rollout_port + (self.ranks.rank if self.ranks and cfg.learner.rollout_port else 0)
+        self.endpoints = {"rollouts": bind(pull, cfg.learner.host, port), "weights": self.publisher.endpoint}
+        self.socks = {"rollouts": pull}
+        self.eval_token = None
+        if self.evaluator and not self.discard and self.main:
+            # The evaluator is our child on this host: a loopback socket, not in endpoints.json, and a
+            # per-run token it is given at start; results from anywhere else are refused.
+            ev = self.ctx.socket(zmq.PULL)
+            ev.setsockopt(zmq.LINGER, 0)
+            ev.setsockopt(zmq.MAXMSGSIZE, EVAL_MAX_BYTES)
+            self.eval_endpoint = bind(ev, "127.0.0.1", 0)
+            self.socks["eval"] = ev
+            self.eval_token = secrets.token_hex(16)
+            intake.eval_token = self.eval_token
+
+    def _write_endpoints(self) -> None:
+        extra: dict[str, Any] = {}
+        if self.ranks is not None:   # every rank's rollouts address, in rank order, for the actors
+            ports = [p[0] for p in self.ranks.all_gather_ints([int(self.endpoints["rollouts"].rsplit(":", 1)[1])])]
+            extra["rollouts_by_rank"] = [f"tcp://{self.cfg.learner.host}:{p}" for p in ports]
+        if self.learner.shm_writer is not None:   # so that the launcher can remove it if this process is killed
+            extra["shm"] = str(self.learner.shm_writer.path)
+        if self.main:
+            write_endpoints(self.run_dir, **self.endpoints, **extra)
+
+    def _start_evaluator(self) -> None:
+        if self.eval_token is None:
+            return
+        endpoints = {**self.endpoints, "eval": self.eval_endpoint}
+        self.eval_proc = mp.get_context("spawn").Process(
+            target=run_evaluator, name="tandem-evaluator", daemon=True,
+            args=(self.cfg.to_dict(), self.cfg.source, endpoints, os.getpid(),
+                  self.curve.client_for_child().to_strings() if self.curve is not None else None, self.eval_token))
+        self.eval_proc.start()
+
+    # ================================================================ main loop
+    def loop(self) -> int:
+        """Update until the run is over or stopped. Returns the exit code so far (0 or 1)."""
+        last_progress = time.time()
+        learner = self.learner
         try:
-            frames = sock.recv_multipart(copy=False)
-        except zmq.ZMQError:
-            break
+            while self.ranks is not None or (not self.stop.is_set() and not learner.finished):
+                if not self.receiver.is_alive():
+                    raise RuntimeError(f"the receiver thread died: {self.receiver_died or 'no reason recorded'}")
+                self.publisher.serve_subscriptions()
+                while not learner.evals.empty():
+                    learner.log_eval(learner.evals.get())
+                if self.main and time.time() - last_progress >= self.cfg.trainer.log_interval_s:
+                    say(learner.progress_line())
+                    last_progress = time.time()
+                if self.discard:
+                    time.sleep(0.05)
+                elif self.ranks is not None:
+                    if not self._turn_with_ranks():
+                        break
+                else:
+                    self._turn()
+        except Exception as e:
+            log.exception("learner failed")
+            say(f"[learner] failed: {type(e).__name__}: {e}")
+            return 1
+        return 0
+
+    def _turn(self) -> None:
+        batch = self.learner.take_batch(timeout_s=0.05)
+        if batch is None:
+            self.learner.maybe_send_credit()
+            return
+        self.learner.update_once(*batch)
+        self.learner.maybe_save()
+
+    def _turn_with_ranks(self) -> bool:
+        """Ranks decide together: update only when every rank has its share, stop when any rank is
+        told to or the ranks' env steps together reach the total. False: stop."""
+        self.held = self.held or self.learner.take_batch(timeout_s=0.05)
+        all_have, stop_now = _agree(self.learner, self.ranks, self.held is not None, self.stop.is_set())
+        if stop_now:
+            return False
+        if all_have:
+            self.learner.update_once(*self.held)
+            self.held = None
+            self.learner.maybe_save()
+        else:
+            self.learner.maybe_send_credit()
+        return True
+
+    # ================================================================ shutdown
+    def shutdown(self, exit_code: int) -> int:
+        """Stop the actors, save, evaluate the final weights, write the summary, close everything.
+        Each step runs even if an earlier one failed; returns the final exit code."""
+        learner = self.learner
+        if self.reason:
+            say(f"[learner] {self.reason[0]}: stopping")
+        # Training is over: rollouts that still arrive are not counted, and actors are told to
+        # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
+        learner.accepting = False
+        for step in (self._stop_actors, self._save_final, self._final_eval):
+            exit_code = self._guarded(step, exit_code)
+        exit_code = self._guarded(self._stop_receiver, exit_code)
+        self._guarded(self._stop_evaluator, exit_code)
+        exit_code = self._guarded(lambda code: self._write_summary(code), exit_code)
+        self._close()
+        return exit_code
+
+    def _guarded(self, step, exit_code: int) -> int:
         try:
-            td, meta = wire.decode(frames)
-        except wire.WireError as e:
-            learner.note_malformed(_sender(frames), str(e))
-            continue
-        try:
-            learner.ingest(td, meta)
-        except RejectedMessage as e:
-            learner.note_rejected(str(e))
-        except Exception as e:  # a bug on a bad message must not take the run down
-            learner.note_rejected(f"{type(e).__name__} while ingesting from actor {meta.get('actor')!r}: {e}")
+            out = step(exit_code)
+            return exit_code if out is None else out
+        except Exception:
+            log.exception("shutdown step %s failed", getattr(step, "__name__", step))
+            return 1
+
+    def _stop_actors(self, exit_code: int) -> None:
+        self.publisher.send_control(kind="stop", who="actors", incarnation=self.learner.incarnation)
+
+    def _save_final(self, exit_code: int) -> None:
+        if exit_code == 0:  # after a failure the last periodic checkpoint is the one to resume from
+            self.learner.save()
+
+    def _final_eval(self, exit_code: int) -> None:
+        """A last evaluation of the final weights, bounded in time (not after a signal or failure)."""
+        learner, proc = self.learner, self.eval_proc
+        if exit_code != 0 or self.stop.is_set() or proc is None:
+            return
+        learner.publish(final=True)
+        deadline, republish = time.time() + 120, time.time() + 5
+        while time.time() < deadline and proc.is_alive() and not self.stop.is_set() and self.receiver.is_alive():
+            self.publisher.serve_subscriptions()
+            if time.time() > republish:   # a busy evaluator's full queue may have dropped it
+                learner.publish(final=True)
+                republish = time.time() + 5
+            try:
+                meta = learner.evals.get(timeout=0.1)
+            except Exception:
+                continue
+            learner.log_eval(meta)
+            if meta.get("final"):
+                return
+
+    def _stop_receiver(self, exit_code: int) -> None:
+        for _ in range(3):
+            self.publisher.send_control(kind="stop", incarnation=self.learner.incarnation)
+        say(self.learner.progress_line())
+        self.recv_stop.set()
+        self.receiver.join(timeout=5)
+        for info in (self.held[1] if self.held else []):
+            self.learner._drop(info, "shutdown")
+        self.learner.drop_unconsumed("shutdown")    # after the receiver stopped: nothing can slip in behind it
+
+    def _stop_evaluator(self, exit_code: int) -> None:
+        proc = self.eval_proc
+        if proc is None:
+            return
+        proc.join(timeout=2)
+        if proc.is_alive():
+            proc.terminate()          # the evaluator keeps nothing: SIGTERM ends it at once
+            proc.join(timeout=2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1)
+
+    def _write_summary(self, exit_code: int) -> int:
+        learner, ranks = self.learner, self.ranks
+        if self.receiver_died and exit_code == 0:
+            exit_code = 1
+        summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
+                   "updates": learner.updates, "wall_s": time.time() - learner.start_time, **learner.counts,
+                   "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
+                   **({f"last_eval/{k.split('/')[-1]}": v for k, v in learner.last_eval.items()}
+                      if learner.last_eval else {}),
+                   "incarnation": learner.incarnation,
+                   "resumed_from": str(learner.resumed_from) if learner.resumed_from else None,
+                   "exit_code": exit_code, "stopped_by": self.reason[0] if self.reason else None}
+        if ranks is not None:
+            summary.update(rank=ranks.rank, world=ranks.world, env_steps_this_rank=learner.env_steps)
+        name = "summary.json" if self.main else f"summary.rank{ranks.rank}.json"
+        tmp = self.run_dir / (name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / name)
+        return exit_code
+
+    def _close(self) -> None:
+        for close in (self.logger.close, lambda: time.sleep(0.2),   # let the stop messages leave
+                      self.publisher.close, *[lambda s=s: s.close(linger=0) for s in self.socks.values()],
+                      lambda: self.learner.shm_writer and self.learner.shm_writer.close(),
+                      lambda: self.curve and self.curve.stop(), self.ctx.term,
+                      lambda: self.main and (self.run_dir / "endpoints.json").unlink(missing_ok=True),
+                      lambda: self.ranks and torch.distributed.destroy_process_group()):
+            try:
+                close()
+            except Exception:
+                log.exception("closing the learner's resources")
 
 
 def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evaluator: bool = True,
@@ -69,184 +348,12 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evalua
     With `discard`, rollouts are received, decoded, checked and counted but never trained on
     (the transport-cost benchmark); version 0 stays the only version.
     """
-    torch.set_num_threads(cfg.learner.torch_threads)
-    ranks = ranks_from_env(cfg.learner.devices)     # started by torchrun with several ranks
-    if ranks is not None and discard:
-        raise ValueError("--discard (the transport benchmark) runs one learner rank, not several")
-    main = ranks is None or ranks.is_main
-    if ranks is not None:
-        cfg.learner.device = str(ranks.device)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    if main:
-        save_config(cfg, run_dir / "config.json")
-    stop = threading.Event()
-    reason = []
-
-    def _on_signal(signum, frame):  # only set a flag: never raise inside a ZeroMQ call
-        reason.append(signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
-
-    curve = server_from_config(cfg)   # bad key files fail here, before any socket exists
-    ctx = zmq.Context()
-    if curve is not None:
-        curve.start(ctx)
-    elif cfg.learner.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("learner.host is %s and CURVE is off: anyone who can reach these ports can send "
-                    "rollouts and read the weights (see README: running across hosts)", cfg.learner.host)
-    pull = ctx.socket(zmq.PULL)
-    if curve is not None:
-        curve.apply(pull)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.setsockopt(zmq.RCVHWM, cfg.learner.recv_hwm)
-    pull.setsockopt(zmq.MAXMSGSIZE, 1 << 34)
-    port = cfg.learner.rollout_port + (ranks.rank if ranks and cfg.learner.rollout_port else 0)
-    rollouts_ep = bind(pull, cfg.learner.host, port)
-    publisher = WeightsPublisher(ctx, cfg.learner.host, cfg.learner.weights_port, curve=curve) if main \
-        else NullPublisher()
-    endpoints = {"rollouts": rollouts_ep, "weights": publisher.endpoint}
-    logger = RunLogger(run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict()) if main else \
-        RunLogger(run_dir, use_tensorboard=False, suffix=f".rank{ranks.rank}")
-    learner = Learner(cfg, run_dir, publisher, resume=resume, logger=logger, discard=discard, ranks=ranks)
-    learner.curve = curve
-    extra = {}
-    if ranks is not None:   # every rank's rollouts address, in rank order, for the actors
-        ports = [p[0] for p in ranks.all_gather_ints([int(rollouts_ep.rsplit(":", 1)[1])])]
-        extra["rollouts_by_rank"] = [f"tcp://{cfg.learner.host}:{p}" for p in ports]
-    if learner.shm_writer is not None:   # so that the launcher can remove it if this process is killed
-        extra["shm"] = str(learner.shm_writer.path)
-    if main:
-        write_endpoints(run_dir, **endpoints, **extra)
-    print(f"[learner{f' rank {ranks.rank}/{ranks.world}' if ranks else ''}] run dir {run_dir} | rollouts "
-          f"{rollouts_ep} | weights {publisher.endpoint} | mode {cfg.trainer.buffer_type} | {cfg.env.id}"
-          + (f" | resumed at v{learner.version}" if resume else ""), flush=True)
-
-    eval_proc = None
-    if evaluator and not discard and main:
-        eval_proc = mp.get_context("spawn").Process(
-            target=run_evaluator, args=(cfg.to_dict(), cfg.source, endpoints, os.getpid(),
-                                        curve.client_for_child().to_strings() if curve is not None else None),
-            daemon=True,
-            name="tandem-evaluator")
-        eval_proc.start()
-
-    recv_stop = threading.Event()
-    receiver = threading.Thread(target=_receive_loop, args=(learner, pull, recv_stop), name="receiver", daemon=True)
-    receiver.start()
-    # After --resume the checkpoint's version was published before: log a "resume" line, not a second publish.
-    learner.publish(event="resume" if learner.resumed_from is not None else "publish")
-    last_progress = time.time()
-    exit_code = 0
-    held = None            # several ranks: this rank's batch, waiting for every rank to have one
+    run = LearnerRun.start(cfg, run_dir, resume, evaluator, discard)
+    exit_code = 1
     try:
-        while ranks is not None or (not stop.is_set() and not learner.finished):
-            publisher.serve_subscriptions()
-            while not learner.evals.empty():
-                learner.log_eval(learner.evals.get())
-            if main and time.time() - last_progress >= cfg.trainer.log_interval_s:
-                print(learner.progress_line(), flush=True)
-                last_progress = time.time()
-            if discard:
-                time.sleep(0.05)
-                continue
-            if ranks is not None:
-                # Ranks decide together: update only when every rank has its share, stop when any
-                # rank is told to or the ranks' env steps together reach the total.
-                held = held or learner.take_batch(timeout_s=0.05)
-                all_have, stop_now = _agree(learner, ranks, held is not None, stop.is_set())
-                if stop_now:
-                    break
-                if all_have:
-                    learner.update_once(*held)
-                    held = None
-                    learner.maybe_save()
-                else:
-                    learner.maybe_send_credit()
-                continue
-            batch = learner.take_batch(timeout_s=0.05)
-            if batch is None:
-                learner.maybe_send_credit()
-                continue
-            learner.update_once(*batch)
-            learner.maybe_save()
-    except Exception:
-        log.exception("learner failed")
-        exit_code = 1
+        exit_code = run.loop()
     finally:
-        if reason:
-            print(f"[learner] {reason[0]}: stopping", flush=True)
-        # Training is over: rollouts that still arrive are not counted, and actors are told to
-        # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
-        learner.accepting = False
-        publisher.send_control(kind="stop", who="actors")
-        if exit_code == 0:  # after a failure the last periodic checkpoint is the one to resume from
-            try:
-                learner.save()
-            except Exception:
-                log.exception("final checkpoint failed")
-                exit_code = 1
-        if exit_code == 0 and not stop.is_set() and eval_proc is not None:
-            # A last evaluation of the final weights, bounded in time.
-            learner.publish(final=True)
-            deadline = time.time() + 120
-            republish = time.time() + 5
-            while time.time() < deadline and eval_proc.is_alive() and not stop.is_set():
-                publisher.serve_subscriptions()
-                if time.time() > republish:   # a busy evaluator's full queue may have dropped it
-                    learner.publish(final=True)
-                    republish = time.time() + 5
-                try:
-                    meta = learner.evals.get(timeout=0.1)
-                except Exception:
-                    continue
-                learner.log_eval(meta)
-                if meta.get("final"):
-                    break
-        for _ in range(3):
-            publisher.send_control(kind="stop")
-        print(learner.progress_line(), flush=True)
-        recv_stop.set()
-        receiver.join(timeout=5)
-        for info in (held[1] if held else []):
-            learner._drop(info, "shutdown")
-        learner.drop_unconsumed("shutdown")    # after the receiver stopped: nothing can slip in behind it
-        if eval_proc is not None:
-            eval_proc.join(timeout=2)
-            if eval_proc.is_alive():
-                eval_proc.terminate()          # the evaluator keeps nothing: SIGTERM ends it at once
-                eval_proc.join(timeout=2)
-            if eval_proc.is_alive():
-                eval_proc.kill()
-                eval_proc.join(timeout=1)
-        summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
-                   "updates": learner.updates,
-                   "wall_s": time.time() - learner.start_time, **learner.counts,
-                   "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
-                   **({f"last_eval/{k.split('/')[-1]}": v for k, v in learner.last_eval.items()}
-                      if learner.last_eval else {}),
-                   "exit_code": exit_code, "stopped_by": reason[0] if reason else None}
-        if ranks is not None:
-            summary.update(rank=ranks.rank, world=ranks.world, env_steps_this_rank=learner.env_steps)
-        name = "summary.json" if main else f"summary.rank{ranks.rank}.json"
-        (run_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
-        if logger is not None:
-            logger.close()
-        time.sleep(0.2)  # let the stop messages leave
-        publisher.close()
-        pull.close(linger=0)
-        if learner.shm_writer is not None:
-            learner.shm_writer.close()
-        if curve is not None:
-            curve.stop()
-        ctx.term()
-        if main:
-            (run_dir / "endpoints.json").unlink(missing_ok=True)
-        if ranks is not None:
-            torch.distributed.destroy_process_group()
+        exit_code = run.shutdown(exit_code)
     return exit_code
 
 

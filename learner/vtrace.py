@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from learner.minibatch import log_ratio
+
 
 @torch.no_grad()
 def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, reward: torch.Tensor,
@@ -63,7 +65,7 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
                                        terminated, done)}
     if len(shapes) != 1:
         raise ValueError(f"vtrace: all inputs must have one shape [N, T], got {sorted(shapes)}")
-    rho = (target_log_prob - behaviour_log_prob).exp()
+    rho = log_ratio(target_log_prob, behaviour_log_prob).exp()
     rho_t = rho.clamp(max=rho_bar)
     c = lam * rho.clamp(max=c_bar)
     not_terminated = (~terminated.bool()).to(value.dtype)

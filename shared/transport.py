@@ -111,6 +111,7 @@ class WeightsSubscriber:
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
         self.consumed: list | None = None
+        self.consumed_from: str | None = None   # the learner incarnation that counted `consumed`
 
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
         """The newest weights (or stop) message that arrived (waiting up to `timeout_ms` for the
@@ -128,6 +129,8 @@ class WeightsSubscriber:
                 continue
             if isinstance(meta.get("consumed"), list):
                 self.consumed = meta["consumed"]
+                inc = meta.get("incarnation")
+                self.consumed_from = inc if isinstance(inc, str) else None
             if meta.get("kind") == "stop":
                 return td, meta  # a stop request wins over any weights queued before it
             if meta.get("kind") == "credit":

@@ -193,7 +193,7 @@ def test_standard_mode_refuses_stale_rollouts():
     assert learner.counts["dropped_lag"] == 1 and len(learner.buffer) == 0
 
 
-def test_schema_mismatch_refused_at_first_message_naming_actor():
+def test_schema_mismatch_refused_naming_actor_and_never_locks_the_id_out():
     cfg = small_config(buffer_type="vla")
     cfg.actors.num_actors = 8
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
@@ -201,8 +201,11 @@ def test_schema_mismatch_refused_at_first_message_naming_actor():
     bad.set(keys.OBS, torch.zeros(4, 16, 5))
     with pytest.raises(RejectedMessage, match=r"actor 7: .*observation.*\[4, 16, 5\].*\[4, 16, 4\]"):
         learner.ingest(bad, {"kind": "rollout", "actor": 7, "seq": 0})
-    with pytest.raises(RejectedMessage, match="actor 7: refused earlier"):
-        learner.ingest(learner.template.clone(), {"kind": "rollout", "actor": 7, "seq": 1})
+    # A forged first message under actor 7's id must not lock the real actor 7 out.
+    learner.ingest(learner.template.clone(), {"kind": "rollout", "actor": 7, "seq": 1})
+    assert len(learner.buffer) == 1
+    learner.buffer.take(1)
+    learner.env_steps = 0
     nan = learner.template.clone()
     nan[keys.REWARD][0, 0] = float("nan")
     with pytest.raises(RejectedMessage, match="actor 2: .*reward.*NaN"):
@@ -258,7 +261,16 @@ def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
                 {"returns": [1.0], "lengths": [1, 2], "version": 0, "env_steps": 0},
                 {"returns": [1.0], "lengths": [1], "version": "0", "env_steps": 0}):
         with pytest.raises(RejectedMessage, match="malformed eval result"):
-            learner.ingest(TensorDict({}, []), {"kind": "eval", **bad})
+            learner.intake.eval_result({"kind": "eval", **bad})
+    # the rollout socket takes no evaluation results, however well-formed (anyone can reach it)
+    good = {"kind": "eval", "returns": [1.0], "lengths": [1], "version": 0, "env_steps": 0}
+    with pytest.raises(RejectedMessage, match="only from the evaluator's own socket"):
+        learner.ingest(TensorDict({}, []), good)
+    learner.intake.eval_token = "s3cret"
+    with pytest.raises(RejectedMessage, match="evaluator token"):
+        learner.intake.eval_result({**good, "token": "guess"})
+    learner.intake.eval_result({**good, "token": "s3cret"})
+    assert learner.evals.get_nowait()["returns"] == [1.0]
     learner.update_once(*learner.take_batch(timeout_s=0))      # logs a consume event with seq None
     logger.close()
     import json
@@ -297,6 +309,9 @@ def test_values_that_would_break_the_update_are_refused():
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
     meta = {"kind": "rollout", "actor": 0, "seq": 0}
     cases = [(keys.ACTION, 5, r"'action' outside 0\.\.1"), (keys.LOG_PROB, 3.0, r"sample_log_prob' > 0"),
+             (keys.LOG_PROB, -1000.0, r"sample_log_prob' < -103\.3, the least a sampled discrete action"),
+             (keys.TRUNCATED, True, r"'done' differs from 'terminated' \| 'truncated'"),
+             (keys.POLICY_VERSION, -3, r"negative versions"),
              (keys.REWARD, 1e30, r"'reward' holds values beyond")]
     for key, value, match in cases:
         bad = learner.template.clone()

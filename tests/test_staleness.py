@@ -92,7 +92,7 @@ def test_sync_delay_is_publish_to_first_action(tmp_path):
     sync = [x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] == "sync"]
     assert len(sync) == 1 and sync[0]["delay_s"] == pytest.approx(acted - published)
     # ill-typed reports from a peer are ignored, never logged or fatal
-    learner._note_syncs(0, [["x", 1, 2], [0, "a", 1.0], [10**9, 1.0, 2.0], "junk"])
+    learner.intake.note_syncs(0, [["x", 1, 2], [0, "a", 1.0], [10**9, 1.0, 2.0], "junk"])
     assert len([x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] == "sync"]) == 1
 
 

@@ -3,6 +3,8 @@ with the weights and are saved in checkpoints; only the learner updates them."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -62,34 +64,39 @@ class RewardScaler:
     """Scales rewards by the running std of the discounted return (as SB3's VecNormalize).
 
     Lives on the learner only: rewards never reach a policy. One discounted-return accumulator per
-    (actor, env), advanced as each actor's rollouts arrive, in order.
+    (actor, env), advanced as each actor's rollouts arrive, in order. The receiver thread calls
+    :meth:`observe` while the main thread reads :meth:`std` and :meth:`state_dict`: a lock keeps
+    each of them whole.
     """
 
     def __init__(self, gamma: float, clip: float = 10.0, eps: float = 1e-8):
         self.gamma, self.clip, self.eps = gamma, clip, eps
         self.stats = RunningMeanStd(())
         self._returns: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
 
     def observe(self, actor: int, reward: torch.Tensor, done: torch.Tensor) -> None:
         """Advance actor `actor`'s accumulators over a ``[N, T]`` rollout and update the std."""
-        ret = self._returns.get(actor)
-        if ret is None or ret.shape != reward.shape[:1]:
-            ret = torch.zeros(reward.shape[0], dtype=torch.float64)
-        out = torch.empty(reward.shape, dtype=torch.float64)
         r, d = reward.to(torch.float64).cpu(), done.cpu()
-        for t in range(reward.shape[1]):
-            ret = ret * self.gamma + r[:, t]
-            out[:, t] = ret
-            ret = ret.masked_fill(d[:, t], 0.0)
-        self._returns[actor] = ret
-        self.stats.update(out)
+        out = torch.empty(reward.shape, dtype=torch.float64)
+        with self._lock:
+            ret = self._returns.get(actor)
+            if ret is None or ret.shape != reward.shape[:1]:
+                ret = torch.zeros(reward.shape[0], dtype=torch.float64)
+            for t in range(reward.shape[1]):
+                ret = ret * self.gamma + r[:, t]
+                out[:, t] = ret
+                ret = ret.masked_fill(d[:, t], 0.0)
+            self._returns[actor] = ret
+            self.stats.update(out)
 
     def std(self, all_reduce=None) -> float:
         """The divisor :meth:`scale` uses now. With `all_reduce` (a sum over learner ranks), the
         statistics of every rank's returns combined exactly, so all ranks scale alike."""
+        with self._lock:
+            c, m, v = self.stats.count.clone(), self.stats.mean.clone(), self.stats.var.clone()
         if all_reduce is None:
-            return float((self.stats.var + self.eps).sqrt())
-        c, m, v = self.stats.count, self.stats.mean, self.stats.var
+            return float((v + self.eps).sqrt())
         n, s1, s2 = all_reduce(torch.stack([c, c * m, c * (v + m * m)])).tolist()
         var = max(s2 / n - (s1 / n) ** 2, 0.0)
         return (var + self.eps) ** 0.5
@@ -102,8 +109,11 @@ class RewardScaler:
         return (reward / std).clamp(-self.clip, self.clip)
 
     def state_dict(self) -> dict:
-        return {"stats": self.stats.state_dict(), "returns": dict(self._returns)}
+        with self._lock:
+            return {"stats": {k: v.clone() for k, v in self.stats.state_dict().items()},
+                    "returns": {k: v.clone() for k, v in self._returns.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.stats.load_state_dict(state["stats"])
-        self._returns = {int(k): v for k, v in state["returns"].items()}
+        with self._lock:
+            self.stats.load_state_dict(state["stats"])
+            self._returns = {int(k): v for k, v in state["returns"].items()}

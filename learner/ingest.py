@@ -1,0 +1,316 @@
+"""What the learner's receiver thread does with every message from outside: decode, check, store.
+
+Everything that reaches the learner over a socket passes through :class:`Intake`, and
+:meth:`Intake.handle` is total: a message is either stored (a rollout into the circular buffer, an
+evaluation result into the learner's eval queue) or dropped and counted, with its sender in the
+log. Nothing a peer sends can raise out of it, so the receiver thread cannot die of input.
+
+The checks refuse what no policy of this run could have produced, before any of it reaches an
+update: a rollout must match the learner's schema exactly (keys, shapes, dtypes), hold only finite
+numbers of sane magnitude, actions inside the action space, log-probs inside the range the
+policy's distribution can give (:func:`log_prob_bounds`), ``done == terminated | truncated``, and
+versions no newer than the learner's. Evaluation results are taken only from the evaluator the
+learner started: on its own socket, with the per-run token it was given.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase
+
+from shared import keys, wire
+from shared.envs import EnvSpec
+
+if TYPE_CHECKING:
+    from learner.learner import Learner
+
+log = logging.getLogger("tandem.learner")
+
+MAX_ABS_VALUE = 1e8   # larger floats in a rollout are refused: they overflow the loss in float32
+# A Gaussian sample more than Z_MAX standard deviations from its mean has probability < 2e-23: no
+# actor of ours produces one. LOG_STD_RANGE bounds the log standard deviation a sane policy acts with.
+Z_MAX = 10.0
+LOG_STD_RANGE = (-20.0, 20.0)
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+LOG_EVERY = 1000      # after the first 10, log one refusal in this many: a flood must not flood the log
+
+
+class RejectedMessage(ValueError):
+    """A message the learner will not take; the text names the sender and what is wrong."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def log_prob_bounds(spec: EnvSpec, dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """The range of log-probs an acting policy can stamp on a sampled action of `spec`.
+
+    Discrete: an action sampled from probabilities in `dtype` has probability at least the
+    smallest positive `dtype` number, and at most 1. Box (a diagonal Gaussian over ``dim``
+    dimensions): per dimension ``-z^2/2 - log_std - log(2 pi)/2`` with ``|z| <= Z_MAX`` and
+    ``log_std`` in ``LOG_STD_RANGE``.
+    """
+    act = spec.action
+    if act.kind == "discrete":
+        tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps   # the smallest subnormal
+        return math.log(tiny), 0.0
+    lo_std, hi_std = LOG_STD_RANGE
+    low = -(0.5 * Z_MAX ** 2 + hi_std + _HALF_LOG_2PI) * act.dim
+    high = (-lo_std - _HALF_LOG_2PI) * act.dim
+    return low, high
+
+
+def check_eval(meta: dict) -> dict:
+    """An evaluator's result with the fields the learner logs, type-checked."""
+    returns, lengths = meta.get("returns"), meta.get("lengths")
+    ok = (isinstance(returns, list) and isinstance(lengths, list) and len(returns) == len(lengths) <= 100_000
+          and all(_is_num(r) and math.isfinite(r) for r in returns)
+          and all(_is_int(n) and 0 <= n < 1 << 40 for n in lengths)
+          and _is_int(meta.get("version")) and _is_int(meta.get("env_steps")))
+    if not ok:
+        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: needs returns (numbers), "
+                              f"lengths (ints) of the same length, version and env_steps (ints)")
+    successes = meta.get("successes") or []
+    if not (isinstance(successes, list) and all(isinstance(x, bool) for x in successes)):
+        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: successes must be booleans")
+    return {"returns": [float(r) for r in returns], "lengths": lengths, "successes": successes,
+            "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final"))}
+
+
+def message_limits(template: TensorDictBase) -> tuple[int, int]:
+    """``(largest frame, whole message)`` in bytes for one rollout of `template`'s schema, with room
+    for the header: what the rollout socket's ``MAXMSGSIZE`` and :func:`wire.decode` allow."""
+    sizes = [t.numel() * t.element_size() for t in template.values(include_nested=True, leaves_only=True)]
+    header = wire.MAX_HEADER_BYTES
+    return max([header, *sizes]), sum(sizes) + header
+
+
+class Intake:
+    """The receiver thread's side of one :class:`Learner`: every message passes through here.
+
+    Args:
+        learner: whose buffer, counters and eval queue it fills.
+        eval_token: the secret the learner gave its evaluator; results must carry it.
+    """
+
+    def __init__(self, learner: Learner, eval_token: str | None = None):
+        self.learner = learner
+        self.eval_token = eval_token
+        self.expected = {k: (v.shape, v.dtype) for k, v in learner.template.items(include_nested=True,
+                                                                                   leaves_only=True)}
+        self.logp_low, self.logp_high = log_prob_bounds(learner.spec, learner.template[keys.LOG_PROB].dtype)
+        self.max_frame_bytes, self.max_message_bytes = message_limits(learner.template)
+
+    # ------------------------------------------------------------------ the total entry point
+    def handle(self, frames: list, sender: str, socket: str = "rollouts") -> bool:
+        """Decode and take one message from `socket` ("rollouts" or "eval"). Never raises.
+        Returns True when the message was taken (stored or, for a rollout, counted as dropped)."""
+        try:
+            td, meta = wire.decode(frames, max_message_bytes=self.max_message_bytes)
+        except wire.WireError as e:
+            self.note_malformed(sender, str(e))
+            return False
+        except Exception as e:   # decode promises WireError only; a bug there must not kill the thread
+            self.note_malformed(sender, f"{type(e).__name__} while decoding: {e}")
+            return False
+        who = f"{sender} (actor {meta.get('actor')!r})" if "actor" in meta else sender
+        try:
+            if socket == "eval":
+                self.eval_result(meta)
+            else:
+                self.rollout(td, meta)
+            return True
+        except RejectedMessage as e:
+            self.note_rejected(who, str(e))
+        except Exception as e:   # a bug on a bad message must not take the run down
+            self.note_rejected(who, f"{type(e).__name__} while ingesting: {e}")
+            if self.learner.counts["rejected"] <= 3:
+                log.exception("unexpected error while ingesting a message from %s", who)
+        return False
+
+    # ------------------------------------------------------------------ evaluation results
+    def eval_result(self, meta: dict) -> None:
+        """An evaluation result from the evaluator socket: checked, then queued for the main thread."""
+        token = meta.get("token")
+        if self.eval_token is not None and not (isinstance(token, str)
+                                                and hmac.compare_digest(token.encode(), self.eval_token.encode())):
+            raise RejectedMessage("evaluation result without this run's evaluator token")
+        self.learner.evals.put(check_eval(meta))
+
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, td: TensorDictBase, meta: dict) -> None:
+        """Take one decoded rollout message: checks, bookkeeping, lag filter, buffer.
+
+        Raises:
+            RejectedMessage: naming the actor and the problem; nothing was stored.
+        """
+        learner = self.learner
+        kind = meta.get("kind")
+        if kind == "eval":
+            raise RejectedMessage("evaluation results are taken only from the evaluator's own socket")
+        if not learner.accepting:
+            return  # the run is over; this rollout is neither counted nor stored
+        if kind != "rollout":
+            raise RejectedMessage(f"message of kind {kind!r}: the rollout socket accepts 'rollout'")
+        actor = meta.get("actor")
+        if not _is_int(actor) or not 0 <= actor < learner.cfg.actors.num_actors:
+            raise RejectedMessage(f"rollout without a valid 'actor' id (got {actor!r}; actors.num_actors is "
+                                  f"{learner.cfg.actors.num_actors})")
+        try:
+            self._accept(td, meta, actor)
+        except RejectedMessage:
+            with learner._lock:   # a refused rollout is finished too: a pacing actor must not wait for it
+                learner.finished_per_actor[actor] += 1
+            raise
+
+    def check_schema(self, td: TensorDictBase) -> list[str]:
+        """Every way `td` differs from the rollout the learner expects (keys, shapes, dtypes)."""
+        got = {k: (v.shape, v.dtype) for k, v in td.items(include_nested=True, leaves_only=True)}
+        problems = [f"missing {k!r}" for k in self.expected.keys() - got.keys()]
+        problems += [f"unexpected {k!r}" for k in got.keys() - self.expected.keys()]
+        for k in self.expected.keys() & got.keys():
+            (es, ed), (gs, gd) = self.expected[k], got[k]
+            if es != gs or ed != gd:
+                problems.append(f"{k!r} is {gd} {list(gs)}, expected {ed} {list(es)}")
+        return problems
+
+    def check_values(self, td: TensorDictBase) -> str | None:
+        """Values no policy of this run could have produced, or that would break the update."""
+        for k, v in td.items(include_nested=True, leaves_only=True):
+            if v.dtype.is_floating_point and v.numel():
+                if not bool(torch.isfinite(v).all()):
+                    return f"rollout {k!r} holds NaN or inf"
+                if float(v.abs().max()) > MAX_ABS_VALUE:
+                    return f"rollout {k!r} holds values beyond +-{MAX_ABS_VALUE:g}"
+        act = self.learner.spec.action
+        if act.kind == "discrete":
+            a = td[keys.ACTION]
+            if bool(((a < 0) | (a >= act.n)).any()):
+                return f"rollout 'action' outside 0..{act.n - 1}"
+        logp = td[keys.LOG_PROB]
+        if logp.numel():
+            lo, hi = float(logp.min()), float(logp.max())
+            if hi > self.logp_high + 1e-4:
+                return ("rollout 'sample_log_prob' > 0 for a discrete action" if act.kind == "discrete" else
+                        f"rollout 'sample_log_prob' > {self.logp_high:.4g}, the most a {act.dim}-dim Gaussian "
+                        f"with log-std >= {LOG_STD_RANGE[0]:g} gives") + f" (max {hi:.4g})"
+            if lo < self.logp_low:
+                return (f"rollout 'sample_log_prob' < {self.logp_low:.4g}, the least a sampled {act.kind} "
+                        f"action can have (min {lo:.4g})")
+        if bool((td[keys.DONE] != (td[keys.TERMINATED] | td[keys.TRUNCATED])).any()):
+            return "rollout 'done' differs from 'terminated' | 'truncated'"
+        if bool((td[keys.POLICY_VERSION] < 0).any()):
+            return "rollout 'policy_version' holds negative versions"
+        return None
+
+    def _accept(self, td: TensorDictBase, meta: dict, actor: int) -> None:
+        learner = self.learner
+        problems = self.check_schema(td)
+        if problems:
+            raise RejectedMessage(f"actor {actor}: rollout does not match the learner's schema: "
+                                  + "; ".join(problems[:3])
+                                  + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""))
+        bad = self.check_values(td)
+        if bad:
+            raise RejectedMessage(f"actor {actor}: {bad}")
+        versions = td[keys.POLICY_VERSION]
+        vmin, vmax = int(versions.min()), int(versions.max())
+        if vmax > learner.version:
+            raise RejectedMessage(f"actor {actor}: rollout claims version {vmax}, newer than the learner's "
+                                  f"{learner.version}")
+        now = time.time()
+        seq, sent = meta.get("seq"), meta.get("time")
+        # Only well-typed values reach versions.jsonl: a peer's meta must never break the log writer.
+        uniq, counts = torch.unique(versions, return_counts=True)
+        returns, lengths = meta.get("episode_returns"), meta.get("episode_lengths")
+        returns = returns if isinstance(returns, list) else []
+        lengths = lengths if isinstance(lengths, list) else []
+        lengths_ok = [n for n in lengths if _is_int(n)]
+        info = {"actor": actor, "seq": seq if _is_int(seq) else None, "policy_version": vmin,
+                "policy_version_max": vmax, "env_steps": td.numel(),
+                "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": len(lengths_ok),
+                "episode_length_mean": sum(lengths_ok) / len(lengths_ok) if lengths_ok else None,
+                "sent": float(sent) if _is_num(sent) and math.isfinite(sent) else None,
+                "received": now}
+        incarnation = meta.get("incarnation")
+        other_learner = incarnation is not None and incarnation != learner.incarnation
+        self.note_syncs(actor, meta.get("synced"))
+        with learner._lock:
+            learner.env_steps += td.numel()
+            learner._steps_per_actor[actor] += td.numel()
+            learner.counts["rollouts"] += 1
+            if learner.first_rollout_time is None:
+                learner.first_rollout_time = now
+            learner.last_rollout_time = now
+            successes = meta.get("episode_successes")
+            if isinstance(successes, list):
+                learner._successes.extend(x for x in successes[:10_000] if isinstance(x, bool))
+            for r, n in list(zip(returns, lengths))[:10_000]:
+                if _is_num(r) and _is_int(n) and math.isfinite(r):
+                    learner._episodes.append((float(r), n))
+        if learner.discard:
+            return
+        if other_learner:
+            # Acted by weights an earlier life of the learner published (before a restart): its
+            # version numbers are not this learner's, so its lag is unknown.
+            learner._drop(info, "other_learner")
+            return
+        if learner.reward_scaler is not None:
+            learner.reward_scaler.observe(actor, td[keys.REWARD], td[keys.DONE])
+        lag = learner.version - vmin
+        if lag > (0 if learner.standard else learner.cfg.trainer.max_policy_lag):
+            learner._drop(info, "lag")
+            return
+        overwritten = learner.buffer.put(td, info)
+        if overwritten is not None:
+            learner._drop(overwritten, "overwritten")
+        with learner._data_ready:
+            learner._data_ready.notify_all()
+
+    def note_syncs(self, actor: int, synced: Any) -> None:
+        """Weight-sync delays an actor reports: ``[[version, received, first_acted], ...]`` for each
+        version it started acting with since its last rollout. Ill-typed entries are ignored."""
+        learner = self.learner
+        if not isinstance(synced, list):
+            return
+        for item in synced[:16]:
+            if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0])
+                    and all(_is_num(x) for x in item[1:])):
+                continue
+            version, received, acted = item[0], float(item[1]), float(item[2])
+            published = learner.publish_times.get(version)
+            if published is None or not (math.isfinite(received) and math.isfinite(acted)):
+                continue
+            delay = acted - published
+            with learner._lock:
+                learner._sync_delays.append(delay)
+            if learner.logger is not None:
+                learner.logger.versions.write(event="sync", actor=actor, version=version, time=acted,
+                                              published=published, received=received, delay_s=delay)
+
+    # ------------------------------------------------------------------ counting what is dropped
+    def note_malformed(self, sender: str, error: str) -> None:
+        n = self._count("malformed")
+        if n <= 10 or n % LOG_EVERY == 0:
+            log.warning("dropped malformed message #%d from %s: %s", n, sender, error[:500])
+
+    def note_rejected(self, sender: str, error: str) -> None:
+        n = self._count("rejected")
+        if n <= 10 or n % LOG_EVERY == 0:
+            log.warning("rejected message #%d from %s: %s", n, sender, error[:500])
+
+    def _count(self, key: str) -> int:
+        with self.learner._lock:
+            self.learner.counts[key] += 1
+            return self.learner.counts[key]
