@@ -9,7 +9,8 @@
 # no torch is installed, so a CUDA build you already have is kept).
 # The launcher supervises: a crashed actor is restarted (with back-off, at most
 # TANDEM_MAX_RESTARTS times per actor); if the learner dies the run stops and exits non-zero.
-# Ctrl-C or SIGTERM stops every process (the learner writes a final checkpoint) within ~10 s.
+# Ctrl-C or SIGTERM, to the launcher or to its whole process group (as Slurm and Kubernetes send it),
+# stops every process within ~10 s (the learner writes a final checkpoint); the exit code is 130 or 143.
 # --record stores every batch the learner trains on under OUT/record (launch/replay.py retrains on it).
 set -uo pipefail
 
@@ -18,7 +19,7 @@ CONFIG="$ROOT/configs/cartpole_ppo.json"
 ACTORS=""; STEPS=""; OUT=""; RESUME=0; SETS=()
 MAX_RESTARTS="${TANDEM_MAX_RESTARTS:-3}"
 
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,${/^#/!q;p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --config) CONFIG="$2"; shift 2 ;;
@@ -39,18 +40,9 @@ done
 [[ -n "$STEPS" ]] && SETS+=("trainer.total_steps=$STEPS")
 
 # ---------------------------------------------------------------- python environment
-deps_ok() { "$1" -c "import torch, tensordict, zmq, msgpack, gymnasium, tensorboard" >/dev/null 2>&1; }
-if [[ -n "${TANDEM_PYTHON:-}" ]]; then PY="$TANDEM_PYTHON"
-elif [[ -x "$ROOT/.venv/bin/python" ]] && deps_ok "$ROOT/.venv/bin/python"; then PY="$ROOT/.venv/bin/python"
-elif command -v python3 >/dev/null && deps_ok python3; then PY="$(command -v python3)"
-else
-  echo "[launch] first use: creating $ROOT/.venv and installing tandem-rl (a few minutes)"
-  python3 -m venv "$ROOT/.venv" || exit 1
-  PY="$ROOT/.venv/bin/python"
-  "$PY" -m pip install -q --upgrade pip || exit 1
-  "$PY" -c "import torch" >/dev/null 2>&1 || "$PY" -m pip install -q torch==2.13.0 || exit 1
-  "$PY" -m pip install -q -e "$ROOT" || exit 1
-fi
+# shellcheck source=launch/_env.sh
+source "$ROOT/launch/_env.sh"
+tandem_python "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONUNBUFFERED=1
@@ -85,12 +77,34 @@ rm -f "$OUT/endpoints.json"   # a stale file from a crashed run would point acto
 declare -A ACTOR_PID=() RESTARTS=()
 LEARNER_PID=""
 STOPPING=0
+TEE_PIDS=()
+
+# Each process writes to the terminal and to OUT/logs/NAME.log through its own tee. SIGTERM or
+# SIGINT sent to the whole process group (Slurm, Kubernetes, Ctrl-C) must not end a tee before the
+# learner has printed its last lines and written its final checkpoint and summary.json, so the tees
+# ignore both (an ignored signal stays ignored across exec) and end when the last process writing
+# to them has closed the pipe. With -p (GNU tee) a tee also goes on writing the log file after the
+# reader of the launcher's own output went away. The launcher ignores SIGPIPE for the same reason:
+# a closed stdout must not end the supervisor while the run goes on.
+TEE=(tee -a); tee -p </dev/null >/dev/null 2>&1 && TEE=(tee -p -a)
+trap '' PIPE
+open_log() {  # LOG_FD: a pipe to a new tee that appends to OUT/logs/$1.log
+  exec {LOG_FD}> >(trap '' TERM INT; exec "${TEE[@]}" "$OUT/logs/$1.log")
+  TEE_PIDS+=($!)
+}
 
 start_actor() {
   local i=$1
+  open_log "actor_$i"
   "$PY" -m actors --config "$CONFIG" --actor-id "$i" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}" \
-    > >(tee -a "$OUT/logs/actor_$i.log") 2>&1 &
+    >&"$LOG_FD" 2>&1 {LOG_FD}>&- &
   ACTOR_PID[$i]=$!
+  exec {LOG_FD}>&-   # the launcher keeps no copy: the tee ends with the actor
+}
+
+is_my_child() {  # /proc/PID/stat is "PID (COMM) STATE PPID ..."
+  local st; read -r st 2>/dev/null < "/proc/$1/stat" || return 1
+  st=${st##*) }; [[ "${st#* }" == "$$ "* ]]
 }
 
 stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
@@ -104,6 +118,14 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
     kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; }
   done
   wait 2>/dev/null
+  # The tees end once their writers have: wait for them (the logs are complete when the launcher
+  # returns), and leave none behind.
+  deadline=$((SECONDS + 5))
+  for p in "${TEE_PIDS[@]}"; do
+    while kill -0 "$p" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.1; done
+    kill -0 "$p" 2>/dev/null && is_my_child "$p" && kill -KILL "$p" 2>/dev/null   # a pid seen gone may be someone else's by now
+  done
+  TEE_PIDS=()
   # A killed learner cannot remove its endpoints file or its shared-memory weights (weights_transport "shm").
   if [[ -f "$OUT/endpoints.json" ]]; then
     shm="$(sed -n 's/.*"shm": *"\([^"]*\)".*/\1/p' "$OUT/endpoints.json")"
@@ -125,13 +147,15 @@ trap 'on_signal SIGTERM 143' TERM
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
 [[ $RESUME -eq 1 ]] && learner_args+=(--resume)
 echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | $WORLD learner rank(s) | python $PY"
+open_log learner
 if [[ "$WORLD" -gt 1 ]]; then   # several learner ranks (learner.devices): torchrun starts one process per rank
   "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$WORLD" --module learner \
-    "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
+    "${learner_args[@]}" >&"$LOG_FD" 2>&1 {LOG_FD}>&- &
 else
-  "$PY" -m learner "${learner_args[@]}" > >(tee -a "$OUT/logs/learner.log") 2>&1 &
+  "$PY" -m learner "${learner_args[@]}" >&"$LOG_FD" 2>&1 {LOG_FD}>&- &
 fi
 LEARNER_PID=$!
+exec {LOG_FD}>&-
 for ((i = 0; i < NUM_ACTORS; i++)); do start_actor "$i"; done
 
 status=0
