@@ -146,6 +146,8 @@ class Learner:
         # This life of the learner: a new one after every restart (--resume too). Weights messages
         # carry it, so that actors take a restarted learner's versions even when they are lower.
         self.incarnation = uuid.uuid4().hex[:16]
+        if ranks is not None:   # one learner of several ranks: rank 0's identity for all (actors send to each)
+            self.incarnation = f"{ranks.all_gather_ints([int(self.incarnation, 16) >> 2])[0][0]:016x}"
         self._failed_in_a_row = 0
         self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
         self._successes: deque[bool] = deque(maxlen=100)

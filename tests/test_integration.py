@@ -529,7 +529,8 @@ def test_learner_refuses_bad_messages(tmp_path):
 
     text = (tmp_path / "learner.out").read_text()
     assert re.search(r"dropped malformed message #1 from .*: header", text), text
-    assert re.search(r"rejected message #1: actor 0: rollout does not match the learner's schema: "
+    assert re.search(r"rejected message #1 from tcp://127\.0\.0\.1 \(actor 0\): actor 0: rollout does not match the "
+                     r"learner's schema: "
                      r".*'observation' is torch\.float32 \[8, 32, 5\], expected torch\.float32 \[8, 32, 4\]", text), text
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["malformed"] >= 1 and summary["rejected"] >= 1, summary
