@@ -153,6 +153,5 @@ def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert not any(m.get("eval/return_mean") == 12345.0 for m in metrics), "a forged evaluation was logged"
     log = (run_dir / "logs" / "learner.log").read_text()
-    assert "evaluation results are taken only from the evaluator's own socket" in log
-    assert "from tcp://127.0.0.1" in log      # refusals name the sender
+    assert "rejected message #1 from tcp://127.0.0.1" in log      # refusals name the sender
 
