@@ -130,9 +130,12 @@ class Actor:
             return
         try:
             loaded = load_published_(self.policy, td, meta, self._shm, self.device)
-        except Exception as e:   # weights that do not fit this policy: keep acting with ours
+        except (ValueError, wire.WireError) as e:   # checked before any copy: ours are untouched
             log.warning("actor %d: weights v%d not loaded: %s", self.actor_id, version, e)
-            self._torn = self._torn or "shm" in meta   # a shared-memory copy may have stopped half-way
+            return
+        except Exception as e:   # anything else may have stopped a copy half-way: never act with it
+            log.warning("actor %d: weights v%d not loaded: %s", self.actor_id, version, e)
+            self._torn = True
             return
         if not loaded:
             log.warning("actor %d: shared-memory weights v%d were rewritten while read; waiting for the next",
