@@ -4,12 +4,11 @@ hold identical weights after every update, every actor's data is trained on, and
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.test_integration import read_jsonl
+from tests.test_integration import launch, read_jsonl
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,12 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_two_learner_ranks_train_cartpole_with_identical_weights(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.run(["bash", str(ROOT / "launch" / "run_local.sh"), "--actors", "2", "--steps", "12000",
-                        "--out", str(run), "--set", 'learner.devices=["cpu","cpu"]',
-                        "--set", "learner.rank_digests=true", "--set", "trainer.eval_freq=4000"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "2 learner rank(s)" in p.stdout
+    started = launch(tmp_path, run, "--actors", "2", "--steps", "12000", "--set", 'learner.devices=["cpu","cpu"]',
+                     "--set", "learner.rank_digests=true", "--set", "trainer.eval_freq=4000", probe_python=True)
+    try:   # on a failure or a hang, the whole group (torchrun and its ranks too) is stopped
+        rc = started.wait(300)
+        output = started.output()
+        assert rc == 0, output
+        started.assert_all_gone(run)
+    finally:
+        started.stop()
+    assert "2 learner rank(s)" in output
     rank0 = read_jsonl(run / "ranks" / "rank0.jsonl")
     rank1 = read_jsonl(run / "ranks" / "rank1.jsonl")
     summary = json.loads((run / "summary.json").read_text())
