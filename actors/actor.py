@@ -23,7 +23,7 @@ from actors.rollout import Collector
 from shared import wire
 from shared.config import Config
 from shared.envs import make_env
-from shared.policies import make_policy
+from shared.policies import frozen_digest, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
@@ -59,6 +59,7 @@ class Actor:
         torch.manual_seed(seed)
         self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device)
         self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
+        self.base_digest = frozen_digest(self.policy)   # the frozen base it loaded: must be the learner's
         slow = not cfg.actors.slow_actor_ids or actor_id in cfg.actors.slow_actor_ids
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=seed,
                                    step_delay_s=cfg.actors.slowdown_s if slow else 0.0,
@@ -128,6 +129,14 @@ class Actor:
                        and incarnation != self.incarnation)
         if version <= self.version and not new_learner:
             return
+        base = meta.get("base_digest")
+        if base is not None and base != self.base_digest:
+            log.error("actor %d: refused: the learner's base model (frozen weights digest %s) differs from ours (%s); "
+                      "both must load the same policy.vla_config.model_path", self.actor_id, str(base)[:16],
+                      self.base_digest[:16])
+            self.failed = True
+            self.stop_event.set()
+            return
         try:
             loaded = load_published_(self.policy, td, meta, self._shm, self.device)
         except (ValueError, wire.WireError) as e:   # checked before any copy: ours are untouched
@@ -178,6 +187,7 @@ class Actor:
     def _send(self, rollout: TensorDictBase, stats, index: int) -> bool:
         frames = wire.encode(rollout, kind="rollout", actor=self.actor_id, seq=self.seq,
                              policy_version=self.version, incarnation=self.incarnation, env_steps=rollout.numel(),
+                             base_digest=self.base_digest,
                              episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
                              episode_successes=stats.episode_successes,
                              collect_s=stats.collect_s, inference_s=stats.inference_s, env_s=stats.env_s,

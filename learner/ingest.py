@@ -243,6 +243,11 @@ class Intake:
                 "episode_length_mean": sum(lengths_ok) / len(lengths_ok) if lengths_ok else None,
                 "sent": float(sent) if _is_num(sent) and math.isfinite(sent) else None,
                 "received": now}
+        base = meta.get("base_digest")
+        if base is not None and base != learner.base_digest:
+            raise RejectedMessage(f"actor {actor}: acts with another base model (frozen weights digest "
+                                  f"{str(base)[:16]}, the learner's is {learner.base_digest[:16]}): both must load "
+                                  f"the same policy.vla_config.model_path")
         incarnation = meta.get("incarnation")
         other_learner = incarnation is not None and incarnation != learner.incarnation
         self.note_syncs(actor, meta.get("synced"))

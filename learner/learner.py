@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from learner.distributed import Ranks
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
-from shared.policies import has_critic, make_policy, weights_digest, weights_td
+from shared.policies import (frozen_digest, has_critic, load_weights_, make_policy, published_state,
+                             weights_digest, weights_td)
 from shared.policies.normalization import RewardScaler
 
 log = logging.getLogger("tandem.learner")
@@ -117,6 +118,8 @@ class Learner:
         torch.manual_seed(t.seed)
         self.spec = env_spec_of(cfg)
         self.policy = make_policy(cfg, self.spec).to(self.device)
+        # What never travels (a frozen pretrained base): actors must hold the same, or be refused.
+        self.base_digest = frozen_digest(self.policy)
         self.optimizer = make_optimizer(self.policy, self.algo.learning_rate, self.algo.adam_eps)
         self.generator = torch.Generator().manual_seed(t.seed)
         self.grpo = cfg.algorithm.name == "grpo"
@@ -238,6 +241,7 @@ class Learner:
         self._credit_sent, self._credit_time = finished, now
         # `consumed`: per actor, its rollouts the learner has consumed or dropped (lag_policy "pace").
         self.publisher.publish(weights, kind="weights", version=self.version, incarnation=self.incarnation,
+                               base_digest=self.base_digest,
                                env_steps=self.env_steps + self.peer_env_steps, final=final, time=now,
                                consumed=finished, **extra)
         if self.shm_writer is not None:
@@ -547,7 +551,9 @@ class Learner:
 
     # ================================================================ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+        # Only what trains (a frozen base is reloaded from vla_config.model_path and checked by digest).
+        return {"policy": {k: v.detach() for k, v in published_state(self.policy).items()},
+                "base_digest": self.base_digest, "optimizer": self.optimizer.state_dict(),
                 "version": self.version, "env_steps": self.env_steps + self.peer_env_steps,
                 "env_steps_trained": self.env_steps_trained,
                 "updates": self.updates, "generator": self.generator.get_state(),
@@ -566,7 +572,15 @@ class Learner:
         if not found:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
         state = load_checkpoint(found[-1], map_location=self.device)
-        self.policy.load_state_dict(state["policy"])
+        saved_base = state.get("base_digest")
+        if saved_base is not None and saved_base != self.base_digest:
+            raise RuntimeError(f"--resume: {found[-1]} was trained on another base model (frozen weights digest "
+                               f"{saved_base[:16]}, this config's is {self.base_digest[:16]}): check "
+                               f"policy.vla_config.model_path")
+        if set(state["policy"]) == set(published_state(self.policy)):
+            load_weights_(self.policy, TensorDict({tuple(k.split(".")): v for k, v in state["policy"].items()}, []))
+        else:   # a checkpoint written before only trained tensors were saved: the whole state dict
+            self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.env_steps, self.updates = state["version"], state["env_steps"], state["updates"]
         if self.ranks is not None and not self.ranks.is_main:

@@ -16,6 +16,15 @@ torch.distributions.Distribution.set_default_validate_args(False)
 
 
 def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
+    """The configured policy, initialised from ``trainer.seed`` alone: the learner, every actor and
+    the evaluator build bit-identical policies (a frozen, randomly initialised part never travels
+    in weights messages, so it must agree everywhere). The caller's RNG state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.trainer.seed)
+        return _build_policy(cfg, spec)
+
+
+def _build_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
     if cfg.policy.name == "actor_critic":
         return ActorCritic(spec, cfg.policy)
     if cfg.policy.name == "actor_only":
@@ -31,12 +40,42 @@ def has_critic(policy: nn.Module) -> bool:
     return getattr(policy, "critic", None) is not None
 
 
+def published_state(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """What a weights message carries: every parameter that trains (``requires_grad``), each tensor
+    once (a module registered under two names, such as a VLA whose value head is the model itself,
+    counts once), plus the buffers the learner changes (normaliser statistics). A policy names those
+    buffers with ``published_buffers()``; without it, every persistent buffer (those in its
+    ``state_dict``) is published, and constant ones such as rotary tables are not. Frozen parameters
+    (a pretrained base under LoRA, ``vla_config.freeze``) never travel: each process loads them from
+    the same checkpoint, and :func:`frozen_digest` checks that they agree."""
+    params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    buffers = dict(policy.named_buffers())
+    pick = getattr(policy, "published_buffers", None)
+    names = sorted(buffers.keys() & policy.state_dict().keys()) if pick is None else list(pick())
+    return {**params, **{n: buffers[n] for n in names}}
+
+
 def weights_td(policy: nn.Module) -> TensorDict:
-    """Parameters and buffers (normaliser statistics included) as a nested TensorDict, detached.
+    """:func:`published_state` as a nested TensorDict, detached.
 
     ``"actor.0.weight"`` becomes the key path ``("actor", "0", "weight")``.
     """
-    return TensorDict({tuple(k.split(".")): v.detach() for k, v in policy.state_dict().items()}, batch_size=[])
+    return TensorDict({tuple(k.split(".")): v.detach() for k, v in published_state(policy).items()}, batch_size=[])
+
+
+def frozen_digest(policy: nn.Module) -> str:
+    """SHA-256 of everything that is not published (frozen parameters, constant buffers), names
+    included: two processes whose digests agree act with the same base model."""
+    import hashlib
+    published = published_state(policy)
+    h = hashlib.sha256()
+    state = {**dict(policy.named_parameters()), **dict(policy.named_buffers())}
+    for name in sorted(state.keys() - published.keys()):
+        t = state[name].detach()
+        h.update(name.encode())
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def weights_digest(policy: nn.Module) -> str:
@@ -50,10 +89,11 @@ def weights_digest(policy: nn.Module) -> str:
 
 
 def load_weights_(policy: nn.Module, weights: TensorDict) -> None:
-    """Copy ``weights`` (from :func:`weights_td`) into ``policy`` in place; raises on any mismatch."""
+    """Copy ``weights`` (from :func:`weights_td`) into ``policy`` in place; raises on any mismatch,
+    before anything is copied."""
     state = {".".join(k if isinstance(k, tuple) else (k,)): v
              for k, v in weights.items(include_nested=True, leaves_only=True)}
-    own = policy.state_dict()
+    own = published_state(policy)
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     if missing or unexpected:
         raise ValueError(f"weights do not match the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
