@@ -16,6 +16,16 @@ back. A reader that falls ``slots - 1`` versions behind can see its slot being r
 reports the copy as torn (its caller keeps its old weights and takes the next version). The file is
 removed by the learner when it exits (and by the launcher if the learner was killed).
 
+Announcements are untrusted input, like any message off a socket. :func:`load_published_` and the
+reader check every field before they touch memory: types, the file's place (``tandem-*.weights``
+directly in ``/dev/shm``, or in ``$TMPDIR`` where there is no ``/dev/shm``), a regular file whose
+size is a whole number of slots, the slot inside it, shapes bounded as :mod:`shared.wire` bounds
+them, offsets exactly where the writer packs them (so no tensor reads another's bytes or past its
+slot), and the layout equal to the policy's parameters. Anything wrong raises
+:class:`shared.wire.WireError` (the caller drops the message, as it drops one that does not decode);
+``False`` stays reserved for a torn read, after which the next version is awaited. Not covered: a
+file truncated after it was mapped (SIGBUS on read; only its owner, the learner, could do that).
+
 The seqlock relies on stores becoming visible in program order (x86-64's TSO). On weakly ordered
 CPUs (aarch64) a reader could in principle see the end marker before the payload; there, add a
 checksum per slot before trusting this path.
@@ -23,18 +33,32 @@ checksum per slot before trusting this path.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import re
+import stat
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+
+from shared.wire import MAX_DIMS, MAX_ELEMENTS, WireError
 
 ALIGN = 64
 HEADER_BYTES = 64          # per slot: begin version, end version, progress bytes (int64), padding
 CHUNK_BYTES = 8 << 20      # the writer publishes progress, and readers copy, in pieces of this size
 WAIT_S = 0.0002            # a reader's pause while the writer catches up (no busy spinning)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+MAX_LAYOUT_ENTRIES = 65_536      # tensors in one announcement (a policy's parameters and buffers)
+MAX_SLOT_BYTES = 1 << 44         # 16 TiB: bounds the offsets before any arithmetic on them
+_FILE_NAME = re.compile(r"tandem-[A-Za-z0-9_-]+\.weights")   # what default_path makes; no dots, no slashes
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _layout(td: TensorDictBase) -> tuple[list[list], int]:
@@ -42,15 +66,124 @@ def _layout(td: TensorDictBase) -> tuple[list[list], int]:
     entries, offset = [], 0
     for key, t in td.items(include_nested=True, leaves_only=True):
         path = list(key) if isinstance(key, tuple) else [key]
-        offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+        offset = _align(offset)
         entries.append([path, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
         offset += t.numel() * t.element_size()
-    return entries, (offset + ALIGN - 1) // ALIGN * ALIGN
+    return entries, _align(offset)
+
+
+def _base_dir() -> Path:
+    return SHM_DIR or Path(os.environ.get("TMPDIR", "/tmp"))
 
 
 def default_path(tag: str) -> Path:
-    base = SHM_DIR or Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"tandem-{os.getpid()}-{tag}.weights"
+    return _base_dir() / f"tandem-{os.getpid()}-{tag}.weights"
+
+
+class _Entry(NamedTuple):
+    path: tuple[str, ...]
+    dtype: torch.dtype
+    shape: list[int]
+    offset: int          # bytes after the slot's header
+    nbytes: int
+
+
+class _Announcement(NamedTuple):
+    file: str
+    slot: int
+    slot_bytes: int
+    entries: list[_Entry]
+
+
+def _is_uint(x: Any, limit: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < limit
+
+
+def _parse(meta: Any) -> _Announcement:
+    """The fields of a shared-memory announcement, checked without touching the file. Raises WireError."""
+    if not isinstance(meta, dict):
+        raise WireError(f"shared-memory announcement must be a map, got {type(meta).__name__}")
+    missing = sorted({"shm", "slot", "slot_bytes", "layout"} - meta.keys())
+    if missing:
+        raise WireError(f"shared-memory announcement lacks {missing}")
+    file, slot, slot_bytes, layout = meta["shm"], meta["slot"], meta["slot_bytes"], meta["layout"]
+    if not (isinstance(file, str) and 0 < len(file) < 4096 and "\0" not in file):
+        raise WireError(f"shared-memory announcement: 'shm' must be a file path, got {str(file)[:100]!r}")
+    if not _is_uint(slot, 1 << 32):
+        raise WireError(f"shared-memory announcement: bad slot {str(slot)[:40]}")
+    if not (_is_uint(slot_bytes, MAX_SLOT_BYTES + 1) and slot_bytes >= HEADER_BYTES and slot_bytes % ALIGN == 0):
+        raise WireError(f"shared-memory announcement: bad slot_bytes {str(slot_bytes)[:40]} (a multiple of {ALIGN}, "
+                        f"{HEADER_BYTES} to {MAX_SLOT_BYTES})")
+    if not (isinstance(layout, list) and len(layout) <= MAX_LAYOUT_ENTRIES):
+        raise WireError(f"shared-memory announcement: 'layout' must be a list of at most {MAX_LAYOUT_ENTRIES} entries")
+    entries, paths, end = [], set(), 0
+    for i, e in enumerate(layout):
+        if not (isinstance(e, list) and len(e) == 4):
+            raise WireError(f"shared-memory layout entry {i} must be [path, dtype, shape, offset]")
+        path, dtype_name, shape, offset = e
+        if not (isinstance(path, list) and 0 < len(path) <= MAX_DIMS and all(isinstance(k, str) and k for k in path)):
+            raise WireError(f"shared-memory layout entry {i}: bad key path {str(path)[:100]}")
+        path = tuple(path)
+        name = ".".join(path)[:100]
+        if path in paths:
+            raise WireError(f"shared-memory weights {name}: duplicate key path")
+        paths.add(path)
+        dtype = _TORCH_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise WireError(f"shared-memory weights {name}: unknown dtype {str(dtype_name)[:40]!r}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_uint(n, MAX_ELEMENTS + 1) for n in shape)
+                and math.prod(max(n, 1) for n in shape) <= MAX_ELEMENTS):
+            raise WireError(f"shared-memory weights {name}: bad shape {str(shape)[:100]}")
+        # the writer packs the tensors in layout order, each at the next multiple of ALIGN (see
+        # _layout): any other offset would read another tensor's bytes, or past the slot
+        nbytes, packed = math.prod(shape) * dtype.itemsize, _align(end)
+        if type(offset) is not int or offset != packed:
+            raise WireError(f"shared-memory weights {name}: offset {str(offset)[:40]}, but the layout packs it at "
+                            f"{packed}")
+        entries.append(_Entry(path, dtype, shape, offset, nbytes))
+        end = offset + nbytes
+    if slot_bytes != HEADER_BYTES + _align(end):
+        raise WireError(f"shared-memory announcement: slot_bytes {slot_bytes}, but the layout fills "
+                        f"{HEADER_BYTES + _align(end)}")
+    for path in paths:
+        if any(path[:j] in paths for j in range(1, len(path))):
+            raise WireError(f"shared-memory weights {'.'.join(path)[:100]}: key path runs through another tensor")
+    return _Announcement(file, slot, slot_bytes, entries)
+
+
+def check_announcement(meta: Any, policy_weights: TensorDictBase) -> int:
+    """Check a weights message's shared-memory announcement against the expected file location and
+    the policy's parameters (``weights_td(policy)``), without touching the file. Returns its version.
+
+    Raises:
+        WireError: a field missing or of the wrong type, a path that is not ``tandem-*.weights``
+            directly in the shared-memory directory, or a layout that is not the policy's.
+    """
+    ann = _parse(meta)
+    version = meta.get("version")
+    if not _is_uint(version, 1 << 63):
+        raise WireError(f"shared-memory announcement: bad version {str(version)[:40]}")
+    file = Path(ann.file)
+    if not (file.is_absolute() and file.parent == _base_dir() and _FILE_NAME.fullmatch(file.name)):
+        raise WireError(f"shared-memory announcement: {ann.file[:200]!r} is not a tandem-*.weights file in "
+                        f"{_base_dir()}")
+    _check_layout([e[:3] for e in ann.entries], policy_weights)
+    return version
+
+
+def _check_layout(entries: list[tuple[tuple[str, ...], torch.dtype, list[int]]], dst: TensorDictBase) -> None:
+    """``(path, dtype, shape)`` of each tensor are exactly `dst`'s leaves. Raises WireError."""
+    want = {k if isinstance(k, tuple) else (k,): t for k, t in dst.items(include_nested=True, leaves_only=True)}
+    got = {path for path, _, _ in entries}
+    if got != want.keys() or len(entries) != len(got):
+        missing, unexpected = sorted(map(".".join, want.keys() - got)), sorted(map(".".join, got - want.keys()))
+        raise WireError(f"weights do not match the policy: missing {str(missing)[:200]}, "
+                        f"unexpected {str(unexpected)[:200]}")
+    for path, dtype, shape in entries:
+        t = want[path]
+        if t.dtype != dtype or list(t.shape) != shape:
+            raise WireError(f"weights {'.'.join(path)[:100]}: {dtype} {shape}, the policy has {t.dtype} "
+                            f"{list(t.shape)}")
 
 
 class ShmWeightsWriter:
@@ -119,7 +252,11 @@ class ShmWeightsWriter:
 
 
 class ShmWeightsReader:
-    """An actor's side: maps the learner's file once and copies a slot into a policy."""
+    """An actor's side: maps the learner's file once and copies a slot into a policy.
+
+    Every method checks the announcement `meta` it is given against the mapped file first (see
+    :func:`_parse`) and raises :class:`WireError` if it does not fit; :meth:`copy_into` and
+    :meth:`stream_into` return False only for a torn read."""
 
     def __init__(self):
         self._mm: mmap.mmap | None = None
@@ -130,10 +267,19 @@ class ShmWeightsReader:
         if self._path == path:
             return
         self.close()
-        fd = os.open(path, os.O_RDONLY)
+        try:   # O_NONBLOCK: a FIFO planted under the name must not block the open
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, ValueError) as e:
+            raise WireError(f"shared-memory weights {path[:200]!r}: cannot open ({e})") from None
         try:
-            size = os.fstat(fd).st_size
-            self._mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                raise WireError(f"shared-memory weights {path[:200]!r}: not a regular, non-empty file")
+            self._mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        except WireError:
+            raise
+        except (OSError, ValueError, OverflowError) as e:
+            raise WireError(f"shared-memory weights {path[:200]!r}: cannot map ({e})") from None
         finally:
             os.close(fd)
         # torch.frombuffer wants a writable buffer; the mapping is read-only, so go through numpy.
@@ -145,43 +291,47 @@ class ShmWeightsReader:
             self._buf = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))
         self._path = path
 
-    def views(self, meta: dict) -> TensorDict:
-        """Zero-copy tensors over the slot `meta` names (valid until the slot is rewritten)."""
-        self._map(meta["shm"])
-        base = meta["slot"] * meta["slot_bytes"] + HEADER_BYTES
-        out = TensorDict({}, batch_size=[])
-        for path, dtype, shape, offset in meta["layout"]:
-            dt = getattr(torch, dtype)
-            n = dt.itemsize
-            for s in shape:
-                n *= s
-            out.set(tuple(path), self._buf[base + offset:base + offset + n].view(dt).view(shape))
-        return out
+    def _open(self, meta: Any) -> _Announcement:
+        """Parse `meta`, map its file, and check that the slot lies inside it. Raises WireError."""
+        ann = _parse(meta)
+        self._map(ann.file)
+        size = len(self._buf)
+        if size % ann.slot_bytes or (ann.slot + 1) * ann.slot_bytes > size:
+            raise WireError(f"shared-memory weights {ann.file[:200]!r}: {size} bytes is not a whole number of "
+                            f"{ann.slot_bytes}-byte slots with a slot {ann.slot}")
+        return ann
 
-    def _header(self, meta: dict) -> torch.Tensor:
-        start = meta["slot"] * meta["slot_bytes"]
+    def _header(self, ann: _Announcement) -> torch.Tensor:
+        start = ann.slot * ann.slot_bytes
         return self._buf[start:start + 24].view(torch.int64)
 
+    def views(self, meta: dict) -> TensorDict:
+        """Zero-copy tensors over the slot `meta` names (valid until the slot is rewritten)."""
+        ann = self._open(meta)
+        base = ann.slot * ann.slot_bytes + HEADER_BYTES
+        out = TensorDict({}, batch_size=[])
+        for e in ann.entries:
+            out.set(e.path, self._buf[base + e.offset:base + e.offset + e.nbytes].view(e.dtype).view(e.shape))
+        return out
+
     def slot_version(self, meta: dict) -> tuple[int, int]:
-        h = self._header(meta)
+        h = self._header(self._open(meta))
         return int(h[0]), int(h[1])
 
     def stream_into(self, dst: TensorDictBase, meta: dict, version: int, timeout_s: float = 120.0) -> bool:
         """Copy the slot into `dst` (same keys, shapes, dtypes: e.g. a policy's ``weights_td``) chunk
         by chunk as the writer produces it. False if the slot was rewritten (or never finished in
-        `timeout_s`): `dst` then holds a mix and must not be used."""
+        `timeout_s`): `dst` then holds a mix and must not be used. WireError (before anything is
+        copied) if `meta` does not fit the file or `dst`."""
         import time
-        self._map(meta["shm"])
-        header = self._header(meta)
-        base = meta["slot"] * meta["slot_bytes"] + HEADER_BYTES
+        ann = self._open(meta)
+        _check_layout([e[:3] for e in ann.entries], dst)
+        header = self._header(ann)
+        base = ann.slot * ann.slot_bytes + HEADER_BYTES
         deadline = time.monotonic() + timeout_s
-        for path, dtype, shape, offset in meta["layout"]:
-            target = dst.get(tuple(path))
-            dt = getattr(torch, dtype)
-            if target.dtype != dt or list(target.shape) != list(shape):
-                raise ValueError(f"shared-memory weights {'.'.join(path)}: {dtype} {shape}, the policy has "
-                                 f"{target.dtype} {list(target.shape)}")
-            n = target.numel() * dt.itemsize
+        for e in ann.entries:
+            target = dst.get(e.path)
+            n, dt, offset = e.nbytes, e.dtype, e.offset
             src = self._buf[base + offset:base + offset + n].view(dt)
             out = target.view(-1)
             step = max(1, CHUNK_BYTES // dt.itemsize)
@@ -199,7 +349,6 @@ class ShmWeightsReader:
     def copy_into(self, load, meta: dict, version: int) -> bool:
         """``load(views)`` (which copies the views into the policy) if the slot holds `version` whole,
         before and after. Returns False (torn or overwritten) when the caller must not use the result."""
-        self._map(meta["shm"])
         if self.slot_version(meta) != (version, version):
             return False
         load(self.views(meta))
@@ -215,18 +364,27 @@ class ShmWeightsReader:
 
 def load_published_(policy: torch.nn.Module, td: TensorDictBase, meta: dict, reader: ShmWeightsReader | None,
                     device: torch.device | str) -> bool:
-    """Load a weights message into `policy`, whichever transport carried it. Returns False when a
-    shared-memory slot was torn or already rewritten (the policy must then not be used until the
-    next version loads)."""
-    from shared.policies import load_weights_
+    """Load a weights message into `policy`, whichever transport carried it.
+
+    Returns:
+        True when the policy holds the message's weights; False when a shared-memory slot was torn
+        or already rewritten (the policy must then not be used until the next version loads).
+
+    Raises:
+        WireError: a malformed message, checked before the policy is touched: tensors (zmq) or a
+            shared-memory announcement (see :func:`check_announcement`) that do not match the
+            policy's parameters, a bad version, or an announced file that is missing, misplaced,
+            or of the wrong size. Drop the message and wait for the next, as for a torn read.
+        ValueError: weights came through shared memory and `reader` is None (a caller's bug).
+    """
+    from shared.policies import load_weights_, weights_td
+    own = weights_td(policy)      # the live parameters and buffers: copied into in place
     if "shm" not in meta:
+        _check_layout([(k if isinstance(k, tuple) else (k,), t.dtype, list(t.shape))
+                       for k, t in td.items(include_nested=True, leaves_only=True)], own)
         load_weights_(policy, td.to(device))
         return True
     if reader is None:
         raise ValueError("weights came through shared memory, but this process has no ShmWeightsReader")
-    from shared.policies import weights_td
-    dst = weights_td(policy)      # the live parameters and buffers: copied into in place
-    if set(dst.keys(include_nested=True, leaves_only=True)) != {tuple(p) if len(p) > 1 else p[0]
-                                                                 for p, *_ in meta["layout"]}:
-        raise ValueError("shared-memory weights do not match the policy's parameters")
-    return reader.stream_into(dst, meta, int(meta["version"]))
+    version = check_announcement(meta, own)
+    return reader.stream_into(own, meta, version)

@@ -11,7 +11,16 @@ Frames 1..k are the tensors' raw C-contiguous bytes, in header order, sent witho
 
 :func:`decode` checks everything before it touches tensor memory: protocol version, dtype
 allow-list, frame count, byte length = numel x itemsize, batch size a prefix of every shape,
-header and message size limits. Anything wrong raises :class:`WireError` and nothing else.
+header and message size limits, and element counts. Anything wrong raises :class:`WireError`
+and nothing else: decoding is total, whatever the bytes.
+
+Byte counts alone do not bound a shape: a zero dimension makes any shape 0 bytes, and torch then
+overflows int64 computing the numel or strides of ``[2**40, 2**40, 0]``. So every shape (and the
+batch size) must *span* at most :data:`MAX_ELEMENTS`, the product of its dimensions with zeros
+counted as ones, checked with exact Python ints before torch sees it: its numel, its strides and
+its byte count then all stay far inside int64. The header is unpacked with msgpack's length limits,
+no ext types (so no ``ExtType`` or ``Timestamp`` in meta), and meta nested at most
+:data:`MAX_META_DEPTH` deep.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 8 << 20        # 8 MiB of msgpack: ~100k tensor entries
 MAX_TENSORS = 65_536
 MAX_DIMS = 16
+MAX_ELEMENTS = 1 << 36            # span of a shape or batch: 64 Gi elements (8 GiB of bool is 2**33)
+MAX_META_DEPTH = 32               # lists and maps inside meta
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 30
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -61,59 +72,113 @@ def encode(td: TensorDictBase, **meta: Any) -> list:
         The memoryviews alias the tensors: do not modify them until ZeroMQ has sent them.
 
     Raises:
-        WireError: a dtype outside the allow-list, or meta that msgpack cannot encode.
+        WireError: a dtype outside the allow-list, a shape, batch size, key depth or tensor count
+            over the bounds, meta that msgpack cannot encode (or that :func:`decode` would refuse),
+            or a header over the limit: encode refuses what decode would.
     """
     leaves = sorted(((k if isinstance(k, tuple) else (k,), t)
                      for k, t in td.items(include_nested=True, leaves_only=True)), key=lambda kv: kv[0])
+    if len(leaves) > MAX_TENSORS:
+        raise WireError(f"encode: {len(leaves)} tensors, over the limit of {MAX_TENSORS}")
+    if not _is_dims(list(td.batch_size)):
+        raise WireError(f"encode: batch size {list(td.batch_size)} spans more than {MAX_ELEMENTS} elements")
     entries = []
     for path, t in leaves:
         name = _DTYPE_NAME.get(t.dtype)
         if name is None:
             raise WireError(f"encode: tensor {'/'.join(path)!r} has dtype {t.dtype}, which is not on the "
                             f"allow-list ({', '.join(_DTYPES)})")
+        if len(path) > MAX_DIMS:
+            raise WireError(f"encode: tensor {_name(path)!r} is nested more than {MAX_DIMS} deep")
+        if not _is_dims(list(t.shape)):   # e.g. [0, 2**40, 2**40]: 0 bytes, but decode refuses it
+            raise WireError(f"encode: tensor {'/'.join(path)!r} of shape {list(t.shape)} has more than "
+                            f"{MAX_DIMS} dims or spans more than {MAX_ELEMENTS} elements (zeros count as ones)")
         entries.append([list(path), name, list(t.shape)])
     header = {"v": PROTOCOL_VERSION, "batch": list(td.batch_size), "meta": meta, "tensors": entries}
     try:
         head = msgpack.packb(header, use_bin_type=True)
-        # msgpack packs maps with non-string keys, which decode (strict_map_key) refuses: refuse here
-        msgpack.unpackb(msgpack.packb(meta, use_bin_type=True), raw=False, strict_map_key=True)
+        # msgpack packs what decode refuses (maps with non-string keys, ext types): refuse it here
+        _unpack(msgpack.packb(meta, use_bin_type=True))
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"encode: meta is not msgpack-able: {e}") from None
+    if not _depth_ok(meta, MAX_META_DEPTH):
+        raise WireError(f"encode: meta nests lists and maps more than {MAX_META_DEPTH} deep")
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError(f"encode: header is {len(head)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
     return [head, *(_raw(t) for _, t in leaves)]
 
 
 def _buffer(frame: Any) -> memoryview:
-    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer; bytes/memoryview pass through
-    try:
-        return memoryview(buf).cast("B")
-    except TypeError:
+    try:  # zmq.Frame exposes .buffer; bytes/memoryview pass through
+        return memoryview(getattr(frame, "buffer", frame)).cast("B")
+    except Exception:  # TypeError; ValueError for a released memoryview; BufferError...
         raise WireError(f"frame of type {type(frame).__name__} is not a bytes-like object") from None
 
 
-def _is_uint(x: Any, limit: int = 1 << 48) -> bool:
+def _is_uint(x: Any, limit: int = MAX_ELEMENTS + 1) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < limit
+
+
+def _is_dims(x: Any) -> bool:
+    """A list of at most MAX_DIMS sizes that spans at most MAX_ELEMENTS (zeros count as ones)."""
+    return (isinstance(x, list) and len(x) <= MAX_DIMS and all(_is_uint(s) for s in x)
+            and math.prod(max(s, 1) for s in x) <= MAX_ELEMENTS)
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    """Whether lists and maps in `value` nest at most `limit` deep (iterative: no recursion limit)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (list, tuple, dict)):   # encode packs tuples as lists
+            if depth >= limit:
+                return False
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def _unpack(head: Any) -> Any:
+    """msgpack with bounded lengths, str or bytes map keys only, and no ext types."""
+    return msgpack.unpackb(head, raw=False, strict_map_key=True, max_str_len=MAX_HEADER_BYTES,
+                           max_bin_len=MAX_HEADER_BYTES, max_array_len=MAX_HEADER_BYTES,
+                           max_map_len=MAX_HEADER_BYTES, max_ext_len=0)
+
+
+def _short(x: Any, limit: int = 120) -> str:
+    """repr(x), cut to `limit` characters: error messages get logged, and a header is up to 8 MiB."""
+    r = repr(x)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _name(path: Sequence[str], limit: int = 100) -> str:
+    """A key path for error messages, cut to `limit` characters."""
+    name = "/".join(path)
+    return name if len(name) <= limit else name[:limit - 3] + "..."
 
 
 def _parse_header(head: memoryview) -> dict:
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header is {len(head)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+        header = _unpack(head)
     except Exception as e:  # msgpack raises many types on garbage (ExtraData, FormatError, ValueError...)
-        raise WireError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+        raise WireError(f"header is not valid msgpack: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise WireError(f"header must be a map, got {type(header).__name__}")
     v = header.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1.0 == 1 in Python: check the type too
-        raise WireError(f"unknown protocol version {v!r} (this side speaks {PROTOCOL_VERSION})")
+        raise WireError(f"unknown protocol version {_short(v)} (this side speaks {PROTOCOL_VERSION})")
     missing = {"batch", "meta", "tensors"} - header.keys()
     if missing:
         raise WireError(f"header lacks {sorted(missing)}")
     if not isinstance(header["meta"], dict):
         raise WireError("header 'meta' must be a map")
+    if not _depth_ok(header["meta"], MAX_META_DEPTH):
+        raise WireError(f"header 'meta' nests lists and maps more than {MAX_META_DEPTH} deep")
     batch = header["batch"]
-    if not (isinstance(batch, list) and len(batch) <= MAX_DIMS and all(_is_uint(b) for b in batch)):
-        raise WireError(f"bad batch size {batch!r}")
+    if not _is_dims(batch):
+        raise WireError(f"bad batch size {_short(batch)}: at most {MAX_DIMS} ints >= 0 spanning at most "
+                        f"{MAX_ELEMENTS} elements")
     tensors = header["tensors"]
     if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
         raise WireError(f"'tensors' must be a list of at most {MAX_TENSORS} entries")
@@ -133,7 +198,8 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
         ``(td, meta)``: the TensorDict (batch size as sent) and the meta map given to encode.
 
     Raises:
-        WireError: on any malformed input, before any tensor memory is touched.
+        WireError: on any malformed input, and only this. The header and frame sizes are checked
+            before any tensor memory is touched; bool bytes other than 0 and 1 are found after.
     """
     if not isinstance(frames, (list, tuple)) or not frames:
         raise WireError("a message needs at least one frame (the header)")
@@ -150,17 +216,18 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
         path, dtype_name, shape = entry
         if not (isinstance(path, list) and 0 < len(path) <= MAX_DIMS
                 and all(isinstance(p, str) and p for p in path)):
-            raise WireError(f"tensor entry {i}: bad key path {path!r}")
+            raise WireError(f"tensor entry {i}: bad key path {_short(path)}")
         path = tuple(path)
-        name = "/".join(path)
+        name = _name(path)
         if path in paths:
             raise WireError(f"tensor {name!r}: duplicate key path")
         paths.add(path)
         dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise WireError(f"tensor {name!r}: dtype {dtype_name!r} is not allowed")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_uint(s, 1 << 40) for s in shape)):
-            raise WireError(f"tensor {name!r}: bad shape {shape!r}")
+            raise WireError(f"tensor {name!r}: dtype {_short(dtype_name)} is not allowed")
+        if not _is_dims(shape):
+            raise WireError(f"tensor {name!r}: bad shape {_short(shape)}: at most {MAX_DIMS} ints >= 0 spanning "
+                            f"at most {MAX_ELEMENTS} elements (zeros count as ones)")
         if shape[:len(batch)] != batch:
             raise WireError(f"tensor {name!r}: shape {shape} does not start with the batch size {batch}")
         nbytes = math.prod(shape) * dtype.itemsize
@@ -174,14 +241,23 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
         specs.append((path, dtype, shape, buf))
     for path in paths:  # a leaf cannot also be a sub-dict of another leaf
         if any(path[:j] in paths for j in range(1, len(path))):
-            raise WireError(f"tensor {'/'.join(path)!r}: key path runs through another tensor")
-    td = TensorDict({}, batch_size=batch)
-    for path, dtype, shape, buf in specs:
-        if buf.readonly:
-            buf = bytearray(buf)  # torch.frombuffer wants writable memory; bytes input is copied
-        t = torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
-        t = t.view(shape)
-        if dtype is torch.bool and t.numel() and bool(t.view(torch.uint8).gt(1).any()):
-            raise WireError(f"tensor {'/'.join(path)!r}: bool bytes must be 0 or 1")
-        td.set(path if len(path) > 1 else path[0], t)
+            raise WireError(f"tensor {_name(path)!r}: key path runs through another tensor")
+    # Everything above was checked; torch or tensordict refusing anything below would be a gap in
+    # those checks, and is still reported as a WireError so that no receive loop can be stopped.
+    name = "(batch)"
+    try:
+        td = TensorDict({}, batch_size=batch)
+        for path, dtype, shape, buf in specs:
+            name = _name(path)
+            if buf.readonly:
+                buf = bytearray(buf)  # torch.frombuffer wants writable memory; bytes input is copied
+            t = torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
+            t = t.view(shape)
+            if dtype is torch.bool and t.numel() and bool(t.view(torch.uint8).gt(1).any()):
+                raise WireError(f"tensor {name!r}: bool bytes must be 0 or 1")
+            td.set(path if len(path) > 1 else path[0], t)
+    except WireError:
+        raise
+    except Exception as e:
+        raise WireError(f"tensor {name!r}: cannot be built ({type(e).__name__}: {str(e)[:200]})") from e
     return td, header["meta"]

@@ -4,13 +4,19 @@ Round trips are checked bit for bit (random bytes reinterpreted as each dtype, s
 -0.0 and infinities all travel), for every dtype on the allow-list, nested keys, odd shapes and
 non-contiguous input, from bytes, memoryview and real ``zmq.Frame`` frames. The decoder's promise
 is then held to: malformed input raises ``WireError`` and nothing else, whether the damage is
-hand-made (one parametrized case per check) or random (a seeded fuzz loop).
+hand-made (one parametrized case per check) or random (a seeded fuzz loop), including shapes whose
+zero dimension hides an element count torch cannot compute (issue 12). The weights path's other
+input, a shared-memory announcement, is held to the same rule by ``load_published_``.
+tests/test_wire_fuzz.py fuzzes both at volume.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
@@ -18,8 +24,13 @@ import pytest
 import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
+from torch import nn
 
-from shared.wire import MAX_HEADER_BYTES, PROTOCOL_VERSION, WireError, decode, encode
+import shared.shm_weights as shm
+import shared.wire as wire
+from shared.policies import weights_td
+from shared.wire import (MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, MAX_META_DEPTH, PROTOCOL_VERSION,
+                         WireError, decode, encode)
 
 ALLOWED_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                   torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -420,11 +431,13 @@ MALFORMED: dict[str, tuple[Callable[[list], Any], str]] = {
     "dtype_not_str": (lambda f: edit_entry(f, 0, dtype=7), "dtype 7 is not allowed"),
     "dtype_list": (lambda f: edit_entry(f, 0, dtype=["float32"]), "is not allowed"),
     "dtype_wrong_itemsize": (lambda f: edit_entry(f, 0, dtype="float64"), r"96 bytes, expected 192"),
-    "shape_absurd": (lambda f: edit_entry(f, 0, shape=[2, 3, 2**39, 2**39]), "message limit"),
-    "shape_absurd_no_batch": (lambda f: edit_entry(edit_header(f, batch=[]), 0, shape=[2**39, 2**39]),
+    "shape_absurd": (lambda f: edit_entry(f, 0, shape=[2, 3, 2**16, 2**16]), "message limit"),
+    "shape_absurd_no_batch": (lambda f: edit_entry(edit_header(f, batch=[]), 0, shape=[2**17, 2**17]),
                               "message limit"),
     "shape_large_but_under_limit": (lambda f: edit_entry(f, 0, shape=[2, 3, 2**28]), r"expected 6442450944"),
     "shape_dim_too_big": (lambda f: edit_entry(f, 0, shape=[2, 3, 2**40]), "bad shape"),
+    "shape_spans_too_much": (lambda f: edit_entry(f, 0, shape=[2, 3, 2**18, 2**18]), "spanning at most"),
+    "shape_dim_2_64": (lambda f: edit_entry(f, 0, shape=[2, 3, 2**64 - 1]), "bad shape"),
     "shape_negative": (lambda f: edit_entry(f, 0, shape=[2, 3, -4]), "bad shape"),
     "shape_negative_pair": (lambda f: edit_entry(f, 0, shape=[2, 3, -4, -1]), "bad shape"),
     "shape_float": (lambda f: edit_entry(f, 0, shape=[2, 3, 4.0]), "bad shape"),
@@ -466,6 +479,149 @@ def test_oversized_message_refused_before_frames_are_read():
     frames = edit_entry(valid_frames(), 0, shape=[2, 3, 2**26])
     with pytest.raises(WireError, match="message limit"):
         decode(frames, max_message_bytes=1 << 20)
+
+
+# ----------------------------------------------------------------------------- element counts (issue 12)
+
+def header_message(tensors: list, batch: list | None = None, meta: dict | None = None, data: list | None = None
+                   ) -> list:
+    """A hand-built message: `tensors` as header entries, and a frame per entry (empty by default)."""
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "batch": batch or [], "meta": meta or {}, "tensors": tensors},
+                         use_bin_type=True)
+    return [head, *(data if data is not None else [b""] * len(tensors))]
+
+
+def test_issue_12_zero_byte_shape_with_huge_dims_is_a_wire_error():
+    # the 60-byte message from the issue: 0 bytes, so the length check passed, then
+    # t.view(shape) raised "RuntimeError: numel: integer multiplication overflow"
+    frames = header_message([[["x"], "float32", [2**40 - 1, 2**40 - 1, 0]]])
+    assert len(frames[0]) < 64
+    with pytest.raises(WireError, match=r"tensor 'x': bad shape \[1099511627775, 1099511627775, 0\]"):
+        decode(frames)
+
+
+@pytest.mark.parametrize("shape", [
+    [0, 2**40 - 1, 2**40 - 1],              # numel stays 0 in torch, but the strides overflow int64
+    [2**40 - 1, 0, 2**40 - 1],
+    [2**32, 2**32, 0],                      # each dim small, their product 2**64
+    [0] + [2**4] * 10,                      # 2**40 spread over many dims
+    [0, MAX_ELEMENTS + 1],                  # one dim just over the bound
+    [0, 2**18, 2**18 + 1],                  # product just over the bound
+    [0, 2**63], [0, 2**64 - 1],             # int64 and uint64 extremes msgpack can carry
+], ids=str)
+@pytest.mark.parametrize("dtype", ["bool", "bfloat16", "float64"])
+def test_zero_dims_do_not_hide_huge_dims(shape, dtype):
+    with pytest.raises(WireError, match="bad shape.*spanning at most"):
+        decode(header_message([[["x"], dtype, shape]]))
+
+
+@pytest.mark.parametrize("shape", [[0, MAX_ELEMENTS], [0, 2**18, 2**18], [2**18, 0, 2**18], [0] * MAX_DIMS,
+                                   [0, 1, 2**36]], ids=str)
+def test_zero_byte_shapes_up_to_the_span_bound_decode(shape):
+    td, _ = decode(header_message([[["x"], "int64", shape]]))
+    t = td["x"]
+    assert list(t.shape) == shape and t.numel() == 0
+    assert t.is_contiguous()
+    assert all(0 <= s <= MAX_ELEMENTS for s in t.stride())
+
+
+def test_element_bound_is_exact():
+    # span = product of the dims with zeros counted as ones; MAX_ELEMENTS is allowed, one more is not
+    half = 2**18
+    assert half * half == MAX_ELEMENTS
+    decode(header_message([[["x"], "uint8", [0, half, half]]]))
+    with pytest.raises(WireError, match="spanning at most"):
+        decode(header_message([[["x"], "uint8", [0, half, half, 2]]]))
+
+
+@pytest.mark.parametrize("batch", [[2**40 - 1, 2**40 - 1, 0], [0, MAX_ELEMENTS + 1], [2**47] * 16, [1] * 17],
+                         ids=["issue", "one_dim_over", "huge", "too_many_dims"])
+def test_batch_size_is_bounded_like_a_shape(batch):
+    # an empty TensorDict with such a batch size would overflow later, in td.numel() or a reshape
+    with pytest.raises(WireError, match="bad batch size"):
+        decode(header_message([], batch=batch))
+
+
+def test_encode_refuses_shapes_decode_would_refuse():
+    with pytest.raises(WireError, match="spans more than"):
+        encode(TensorDict({"x": torch.empty(0, 2**20, 2**20)}, batch_size=[]))
+    with pytest.raises(WireError, match="batch size"):
+        encode(TensorDict({}, batch_size=[0, 2**20, 2**20]))
+    with pytest.raises(WireError, match=f"nested more than {MAX_DIMS} deep"):
+        encode(TensorDict({("k",) * (MAX_DIMS + 1): torch.zeros(1)}, batch_size=[]))
+    deep: Any = 1
+    for _ in range(MAX_META_DEPTH):
+        deep = (deep,)                     # msgpack packs tuples as lists
+    with pytest.raises(WireError, match="deep"):
+        encode(TensorDict({}, batch_size=[]), x=deep)
+
+
+# ----------------------------------------------------------------------------- header limits
+
+@pytest.mark.parametrize("value", [msgpack.ExtType(5, b"xy"), msgpack.Timestamp(1, 2)], ids=["ext", "timestamp"])
+def test_ext_types_in_meta_are_refused(value):
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "batch": [], "meta": {"x": value}, "tensors": []})
+    with pytest.raises(WireError, match="max_ext_len"):
+        decode([head])
+    with pytest.raises(WireError, match="not msgpack-able"):
+        encode(TensorDict({}, batch_size=[]), x=value)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_meta_nesting_is_bounded():
+    ok = header_message([], meta={"x": _nested(MAX_META_DEPTH - 1)})
+    assert decode(ok)[1] == {"x": _nested(MAX_META_DEPTH - 1)}
+    with pytest.raises(WireError, match=f"more than {MAX_META_DEPTH} deep"):
+        decode(header_message([], meta={"x": _nested(MAX_META_DEPTH)}))
+    with pytest.raises(WireError, match="not valid msgpack"):   # deeper than msgpack's own stack
+        decode([b"\x81\xa1v" + b"\x91" * 5000 + b"\x00"])
+    with pytest.raises(WireError, match=f"more than {MAX_META_DEPTH} deep"):
+        encode(TensorDict({}, batch_size=[]), x=_nested(MAX_META_DEPTH))
+
+
+@pytest.mark.parametrize("prefix", [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
+                                    b"\xc6\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x05"],
+                         ids=["array32", "map32", "str32", "bin32", "ext32"])
+def test_header_lengths_claimed_beyond_the_frame_are_refused(prefix):
+    with pytest.raises(WireError, match="not valid msgpack"):
+        decode([prefix + b"\x00" * 16])
+
+
+def test_error_messages_are_short_for_huge_headers():
+    long_path = ["p" * 100_000]
+    with pytest.raises(WireError) as err:
+        decode(header_message([[long_path, "float32", [0, 2**40, 2**40]]]))
+    assert len(str(err.value)) < 400
+    with pytest.raises(WireError) as err:
+        decode(header_message([[["x"], "f" * 100_000, [1]]]))
+    assert len(str(err.value)) < 400
+
+
+def test_released_memoryview_frame_is_a_wire_error():
+    view = memoryview(b"\0" * 6)
+    view.release()
+    with pytest.raises(WireError, match="not a bytes-like object"):
+        decode(header_message([[["x"], "uint8", [6]]], data=[view]))
+
+
+@pytest.mark.parametrize("where", ["frombuffer", "set"])
+def test_a_surprise_from_torch_or_tensordict_becomes_a_wire_error(monkeypatch, where):
+    # decode's checks should leave nothing for torch to refuse; if they ever miss something,
+    # the receive loop must still see a WireError, naming the tensor
+    def boom(*args, **kwargs):
+        raise RuntimeError("surprise")
+    if where == "frombuffer":
+        monkeypatch.setattr(wire.torch, "frombuffer", boom)
+    else:
+        monkeypatch.setattr(wire.TensorDict, "set", boom)
+    with pytest.raises(WireError, match=r"tensor 'a': cannot be built \(RuntimeError: surprise\)"):
+        decode(valid_frames())
 
 
 # ----------------------------------------------------------------------------- fuzzing
@@ -576,3 +732,248 @@ def test_fuzzed_messages_decode_or_raise_wire_error():
     # the loop must exercise both outcomes, or it tests nothing
     assert outcomes["rejected"] > 500, outcomes
     assert outcomes["accepted"] > 50, outcomes
+
+
+# ----------------------------------------------------------------------------- shared-memory announcements (issue 12)
+# A weights message through shared memory carries only an announcement (file, slot, layout, version).
+# load_published_ must refuse a malformed one with WireError before touching the policy, and keep
+# False for torn reads.
+
+class TinyPolicy(nn.Module):
+    """Parameters and buffers of several dtypes, nested names, a 0-dim tensor."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.actor = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        self.log_std = nn.Parameter(torch.randn(2))
+        self.register_buffer("count", torch.tensor(seed, dtype=torch.int64))
+        self.register_buffer("scale", torch.randn(5).to(torch.bfloat16))
+
+
+def weights_digest(policy: nn.Module) -> bytes:
+    """Every parameter and buffer, bit for bit (shared.policies.weights_digest cannot view a 0-dim
+    int64 buffer as bytes)."""
+    return b"".join(k.encode() + bits(t).numpy().tobytes() for k, t in sorted(policy.state_dict().items()))
+
+
+class ShmRing:
+    """A writer's ring in `directory` (standing in for /dev/shm) holding versions 0 and 1 in its two slots."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.sources = [TinyPolicy(seed=v) for v in range(2)]
+        self.writer = shm.ShmWeightsWriter(weights_td(self.sources[0]), directory / "tandem-123-test.weights", slots=2)
+        self.metas = []
+        for v, src in enumerate(self.sources):
+            where = self.writer.write(weights_td(src), v)
+            # what an actor gets: the message after encode and decode
+            _, meta = decode([bytes(f) for f in encode(TensorDict({}, []), kind="weights", version=v, **where)])
+            self.metas.append(meta)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@pytest.fixture
+def ring(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    r = ShmRing(tmp_path)
+    yield r
+    r.close()
+
+
+def test_valid_announcement_loads(ring):
+    policy, reader = TinyPolicy(seed=7), shm.ShmWeightsReader()
+    for v in (0, 1):
+        assert shm.load_published_(policy, TensorDict({}, []), ring.metas[v], reader, "cpu")
+        assert weights_digest(policy) == weights_digest(ring.sources[v])
+    reader.close()
+
+
+def _edit_layout(meta: dict, index: int, field: int, value: Any) -> dict:
+    meta["layout"][index][field] = value
+    return meta
+
+
+def _file(ring: ShmRing, name: str, make: Callable[[Path], None]) -> Callable[[dict], dict]:
+    def edit(meta: dict) -> dict:
+        path = ring.directory / name
+        make(path)
+        meta["shm"] = str(path)
+        return meta
+    return edit
+
+
+def _ring_bytes(ring: ShmRing) -> bytes:
+    return ring.writer.path.read_bytes()
+
+
+# (edit of a valid announcement, regex the WireError must match)
+BAD_ANNOUNCEMENTS: dict[str, tuple[Callable[[ShmRing, dict], dict], str]] = {
+    # without "shm" it is a weights message with the weights inside, here none
+    "missing_shm": (lambda r, m: {k: v for k, v in m.items() if k != "shm"}, "do not match the policy: missing"),
+    "missing_slot": (lambda r, m: {k: v for k, v in m.items() if k != "slot"}, r"lacks \['slot'\]"),
+    "missing_slot_bytes": (lambda r, m: {k: v for k, v in m.items() if k != "slot_bytes"}, "lacks"),
+    "missing_layout": (lambda r, m: {k: v for k, v in m.items() if k != "layout"}, "lacks"),
+    "missing_version": (lambda r, m: {k: v for k, v in m.items() if k != "version"}, "bad version"),
+    "shm_int": (lambda r, m: {**m, "shm": 7}, "'shm' must be a file path"),
+    "shm_none": (lambda r, m: {**m, "shm": None}, "'shm' must be a file path"),
+    "shm_empty": (lambda r, m: {**m, "shm": ""}, "'shm' must be a file path"),
+    "shm_nul": (lambda r, m: {**m, "shm": m["shm"] + "\0"}, "'shm' must be a file path"),
+    "shm_outside": (lambda r, m: {**m, "shm": "/etc/passwd"}, "not a tandem-\\*.weights file"),
+    "shm_relative": (lambda r, m: {**m, "shm": "tandem-1-x.weights"}, "not a tandem"),
+    "shm_wrong_name": (lambda r, m: {**m, "shm": str(r.directory / "other.weights")}, "not a tandem"),
+    "shm_dotdot": (lambda r, m: {**m, "shm": str(r.directory / ".." / r.directory.name / "tandem-123-test.weights")},
+                   "not a tandem"),
+    "shm_dot_in_name": (lambda r, m: {**m, "shm": str(r.directory / "tandem-..weights")}, "not a tandem"),
+    "shm_subdir": (lambda r, m: {**m, "shm": str(r.directory / "sub" / "tandem-1.weights")}, "not a tandem"),
+    "shm_missing_file": (lambda r, m: {**m, "shm": str(r.directory / "tandem-1-gone.weights")}, "cannot open"),
+    "shm_symlink": (lambda r, m: _file(r, "tandem-1-link.weights", lambda p: p.symlink_to(r.writer.path))(m),
+                    "cannot open"),
+    "shm_fifo": (lambda r, m: _file(r, "tandem-1-fifo.weights", lambda p: os.mkfifo(p))(m), "not a regular"),
+    "shm_directory": (lambda r, m: _file(r, "tandem-1-dir.weights", lambda p: p.mkdir())(m), "not a regular"),
+    "shm_empty_file": (lambda r, m: _file(r, "tandem-1-empty.weights", lambda p: p.write_bytes(b""))(m),
+                       "not a regular, non-empty"),
+    "shm_file_cut_short": (lambda r, m: _file(r, "tandem-1-short.weights",
+                                              lambda p: p.write_bytes(_ring_bytes(r)[:-1]))(m),
+                           "not a whole number of"),
+    "shm_file_one_slot": (lambda r, m: _file(r, "tandem-1-one.weights",
+                                             lambda p: p.write_bytes(_ring_bytes(r)[:m["slot_bytes"]]))(m),
+                          "not a whole number of"),
+    "slot_negative": (lambda r, m: {**m, "slot": -1}, "bad slot"),
+    "slot_bool": (lambda r, m: {**m, "slot": True}, "bad slot"),
+    "slot_float": (lambda r, m: {**m, "slot": 1.0}, "bad slot"),
+    "slot_str": (lambda r, m: {**m, "slot": "1"}, "bad slot"),
+    "slot_huge": (lambda r, m: {**m, "slot": 2**63 - 1}, "bad slot"),
+    "slot_past_file": (lambda r, m: {**m, "slot": 2}, "not a whole number of"),
+    "slot_bytes_zero": (lambda r, m: {**m, "slot_bytes": 0}, "bad slot_bytes"),
+    "slot_bytes_unaligned": (lambda r, m: {**m, "slot_bytes": m["slot_bytes"] + 8}, "bad slot_bytes"),
+    "slot_bytes_negative": (lambda r, m: {**m, "slot_bytes": -m["slot_bytes"]}, "bad slot_bytes"),
+    "slot_bytes_huge": (lambda r, m: {**m, "slot_bytes": 2**64 - 64}, "bad slot_bytes"),
+    "slot_bytes_doubled": (lambda r, m: {**m, "slot_bytes": 2 * m["slot_bytes"]}, "but the layout fills"),
+    "slot_bytes_header_only": (lambda r, m: {**m, "slot_bytes": 64}, "but the layout fills"),
+    "layout_none": (lambda r, m: {**m, "layout": None}, "'layout' must be a list"),
+    "layout_map": (lambda r, m: {**m, "layout": {"a": 1}}, "'layout' must be a list"),
+    "layout_empty": (lambda r, m: {**m, "layout": []}, "but the layout fills"),
+    "layout_entry_short": (lambda r, m: {**m, "layout": [e[:3] for e in m["layout"]]}, r"must be \[path, dtype"),
+    "layout_dropped_entry": (lambda r, m: {**m, "layout": m["layout"][1:]}, "but the layout packs it at"),
+    "layout_dropped_last_entry": (lambda r, m: {**m, "layout": m["layout"][:-1]}, "but the layout fills"),
+    "layout_duplicate_entry": (lambda r, m: {**m, "layout": m["layout"] + m["layout"][:1]}, "duplicate key path"),
+    "path_str": (lambda r, m: _edit_layout(m, 0, 0, "actor.0.weight"), "bad key path"),
+    "path_empty": (lambda r, m: _edit_layout(m, 0, 0, []), "bad key path"),
+    "path_int": (lambda r, m: _edit_layout(m, 0, 0, [0]), "bad key path"),
+    "path_unknown": (lambda r, m: _edit_layout(m, 0, 0, ["nope"]), "unexpected \\['nope'\\]"),
+    "path_through_tensor": (lambda r, m: _edit_layout(m, 0, 0, m["layout"][1][0] + ["x"]),
+                            "runs through another tensor"),
+    "dtype_mismatch": (lambda r, m: _edit_layout(m, 0, 1, "float64"), "the policy has torch.float32"),
+    "dtype_unknown": (lambda r, m: _edit_layout(m, 0, 1, "float128"), "unknown dtype"),
+    "dtype_torch_attribute": (lambda r, m: _edit_layout(m, 0, 1, "_dynamo"), "unknown dtype"),
+    "dtype_int": (lambda r, m: _edit_layout(m, 0, 1, 6), "unknown dtype"),
+    "shape_mismatch": (lambda r, m: _edit_layout(m, 0, 2, [3, 4]), "the policy has"),
+    "shape_issue_12": (lambda r, m: _edit_layout(m, 0, 2, [2**40 - 1, 2**40 - 1, 0]), "bad shape"),
+    "shape_negative": (lambda r, m: _edit_layout(m, 0, 2, [-4, -3]), "bad shape"),
+    "shape_not_list": (lambda r, m: _edit_layout(m, 0, 2, 12), "bad shape"),
+    "offset_negative": (lambda r, m: _edit_layout(m, 0, 3, -64), "but the layout packs it at"),
+    "offset_unaligned": (lambda r, m: _edit_layout(m, 0, 3, 4), "but the layout packs it at"),
+    "offset_past_slot": (lambda r, m: _edit_layout(m, 0, 3, m["slot_bytes"]), "but the layout packs it at"),
+    "offset_of_another_tensor": (lambda r, m: _edit_layout(m, 1, 3, 0), "but the layout packs it at"),
+    "offsets_swapped": (lambda r, m: {**m, "layout": [m["layout"][1], m["layout"][0], *m["layout"][2:]]},
+                        "but the layout packs it at"),
+    "offset_huge": (lambda r, m: _edit_layout(m, 0, 3, 2**64 - 64), "but the layout packs it at"),
+    "offset_float": (lambda r, m: _edit_layout(m, 0, 3, 0.0), "but the layout packs it at"),
+    "version_negative": (lambda r, m: {**m, "version": -1}, "bad version"),
+    "version_bool": (lambda r, m: {**m, "version": True}, "bad version"),
+    "version_str": (lambda r, m: {**m, "version": "1"}, "bad version"),
+    "version_uint64": (lambda r, m: {**m, "version": 2**64 - 1}, "bad version"),
+}
+
+
+@pytest.mark.parametrize("edit, match", BAD_ANNOUNCEMENTS.values(), ids=BAD_ANNOUNCEMENTS.keys())
+def test_malformed_announcement_raises_wire_error_and_leaves_the_policy(ring, edit, match):
+    policy, reader = TinyPolicy(seed=7), shm.ShmWeightsReader()
+    before = weights_digest(policy)
+    meta = edit(ring, copy.deepcopy(ring.metas[1]))
+    with pytest.raises(WireError, match=match):
+        shm.load_published_(policy, TensorDict({}, []), meta, reader, "cpu")
+    assert weights_digest(policy) == before
+    # the reader is still usable: the next, valid version loads
+    assert shm.load_published_(policy, TensorDict({}, []), ring.metas[1], reader, "cpu")
+    assert weights_digest(policy) == weights_digest(ring.sources[1])
+    reader.close()
+
+
+def test_torn_read_is_false_not_an_error(ring):
+    policy, reader = TinyPolicy(seed=7), shm.ShmWeightsReader()
+    ring.writer.write(weights_td(TinyPolicy(seed=2)), 2)            # version 2 takes slot 0 from version 0
+    assert not shm.load_published_(policy, TensorDict({}, []), ring.metas[0], reader, "cpu")
+    assert not shm.load_published_(policy, TensorDict({}, []), {**ring.metas[1], "version": 5}, reader, "cpu")
+    reader.close()
+
+
+def test_reader_methods_check_the_announcement_against_the_file(ring):
+    reader = shm.ShmWeightsReader()
+    for method in (reader.slot_version, reader.views, lambda m: reader.copy_into(lambda v: None, m, 1),
+                   lambda m: reader.stream_into(weights_td(TinyPolicy()), m, 1)):
+        with pytest.raises(WireError, match="not a whole number of"):
+            method({**ring.metas[1], "slot": 5})
+        with pytest.raises(WireError, match="but the layout packs it at"):
+            method(_edit_layout(copy.deepcopy(ring.metas[1]), 0, 3, 2**40))
+    with pytest.raises(WireError, match="do not match the policy"):   # dst is not what the slot holds
+        reader.stream_into(TensorDict({k: torch.zeros(1) for k in ("a", "b")}, []), ring.metas[1], 1)
+    reader.close()
+
+
+@pytest.mark.parametrize("edit", [
+    lambda td: td.exclude("log_std"),
+    lambda td: td.set("extra", torch.zeros(1)),
+    lambda td: td.set("log_std", torch.zeros(3)),
+    lambda td: td.set("log_std", torch.zeros(2, dtype=torch.float64)),
+    lambda td: td.set("count", torch.zeros(1, dtype=torch.int64)),
+], ids=["missing", "extra", "shape", "dtype", "0-dim_vs_1-dim"])
+def test_zmq_weights_that_do_not_fit_the_policy_raise_wire_error(edit):
+    # the same check for weights carried in the message itself (weights_transport "zmq")
+    policy = TinyPolicy(seed=7)
+    before = weights_digest(policy)
+    td = edit(weights_td(TinyPolicy(seed=1)).clone())
+    got, meta = decode([bytes(f) for f in encode(td, kind="weights", version=1)])
+    with pytest.raises(WireError, match="weights"):
+        shm.load_published_(policy, got, meta, None, "cpu")
+    assert weights_digest(policy) == before
+    assert shm.load_published_(policy, weights_td(TinyPolicy(seed=1)), meta, None, "cpu")
+    assert weights_digest(policy) == weights_digest(TinyPolicy(seed=1))
+
+
+def test_seeded_random_announcements_load_or_raise_wire_error(ring):
+    """Announcement fields replaced by random msgpack values: True (unchanged weights), False (torn)
+    or WireError, nothing else, and a policy that is only ever touched by a full, valid version."""
+    rng = random.Random(3)
+    reader = shm.ShmWeightsReader()
+    policy = TinyPolicy(seed=7)
+    outcomes: Counter[str] = Counter()
+    for _ in range(1500):
+        v = rng.randrange(2)
+        meta = copy.deepcopy(ring.metas[v])
+        for _ in range(rng.randint(1, 2)):
+            target = rng.randrange(3)
+            if target == 0:
+                meta[rng.choice(["shm", "slot", "slot_bytes", "layout", "version"])] = _random_value(rng)
+            elif target == 1 and isinstance(meta.get("layout"), list) and meta["layout"]:
+                entry = rng.choice(meta["layout"])
+                if isinstance(entry, list) and entry:
+                    entry[rng.randrange(len(entry))] = _random_value(rng)
+            else:
+                key = rng.choice(["slot", "slot_bytes", "version"])
+                meta[key] = rng.choice([0, 1, 2, 63, 64, 128, -64, 2**31, 2**40 - 1, 2**63 - 1, 2**64 - 1])
+        before = weights_digest(policy)
+        try:
+            ok = shm.load_published_(policy, TensorDict({}, []), meta, reader, "cpu")
+        except WireError:
+            outcomes["rejected"] += 1
+            assert weights_digest(policy) == before
+        else:
+            outcomes["loaded" if ok else "torn"] += 1
+            if ok:
+                assert weights_digest(policy) == weights_digest(ring.sources[meta["version"]])
+    reader.close()
+    assert outcomes["rejected"] > 1000 and outcomes["loaded"] + outcomes["torn"] > 10, outcomes
