@@ -84,7 +84,7 @@ def weights_digest(policy: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(policy.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())   # 0-dim too
     return h.hexdigest()
 
 
