@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import queue
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -146,7 +147,10 @@ class Intake:
         if self.eval_token is not None and not (isinstance(token, str)
                                                 and hmac.compare_digest(token.encode(), self.eval_token.encode())):
             raise RejectedMessage("evaluation result without this run's evaluator token")
-        self.learner.evals.put(check_eval(meta))
+        try:
+            self.learner.evals.put_nowait(check_eval(meta))   # never block the receiver thread
+        except queue.Full:
+            raise RejectedMessage("evaluation result dropped: 64 results wait to be logged already") from None
 
     # ------------------------------------------------------------------ rollouts
     def rollout(self, td: TensorDictBase, meta: dict) -> None:
