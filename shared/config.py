@@ -169,21 +169,43 @@ class NetConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft LoRA) on a pretrained VLA: the wrapped base is frozen; only the adapters,
+    ``modules_to_save`` and parameters outside the wrapped base (a value head an adapter adds) train."""
+    r: Annotated[int, Range(ge=1)] = 8
+    """Rank of each adapter."""
+    alpha: Annotated[float, Range(gt=0)] = 16.0
+    """The adapters' output is scaled by ``alpha / r``."""
+    dropout: Annotated[float, Range(ge=0, le=1)] = 0.0
+    """Dropout on the adapters' input; must be below 1 (checked when the model is built: ``Range``
+    has no open upper bound)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Names (or dotted name suffixes) of the layers that get adapters, matched as peft does."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules of the base trained in full next to the adapters (e.g. a new head)."""
+
+
+@dataclass
 class VLAConfig:
-    """A pretrained model implementing the VLA model interface (``shared/policies/vla.py``)."""
+    """A pretrained model implementing a VLA model interface (``shared/policies/vla.py``)."""
     model_path: str = ""
-    """A ``.safetensors`` file or a ``torch.save`` state dict (loaded with ``weights_only=True``);
-    empty: the model keeps the initialisation its class gives it."""
+    """A local checkpoint: a ``.safetensors`` file, a ``torch.save`` state dict (loaded with
+    ``weights_only=True``), or a Hugging Face directory (``model.safetensors``, or shards and
+    ``model.safetensors.index.json``); for a class with ``from_pretrained``, its directory. Never
+    fetched from a hub. Empty: the model keeps the initialisation its class gives it."""
     model_class: str = ""
-    """Import path ``package.module.Class`` of an ``nn.Module``."""
+    """Import path ``package.module.Class`` of an ``nn.Module``: the user's class, or one with
+    ``from_pretrained`` (e.g. ``transformers.LlamaForCausalLM``)."""
     model_config: dict = field(default_factory=dict)
-    """Keyword arguments for the class."""
+    """Keyword arguments for the class (for ``from_pretrained``: for that call, e.g. ``{"dtype": "bfloat16"}``)."""
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. ``["vision."]``): not trained."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype; bfloat16 halves memory and weight traffic."""
     autocast: bool = False
     """Run forward passes under ``torch.autocast`` in bfloat16 (where the device supports it)."""
+    lora: Optional[LoRAConfig] = None
+    """Train low-rank adapters instead of the model's own weights (needs ``pip install -e '.[vla]'``)."""
 
 
 @dataclass

@@ -1,25 +1,76 @@
 """Pretrained vision-language-action (VLA) models as Tandem policies.
 
-The VLA model interface: any ``nn.Module`` with
+:class:`VLAPolicy` wraps a model that implements either of two interfaces; it finds out which.
 
-    action_dist(obs: TensorDictBase) -> torch.distributions.Distribution
-        the action distribution for a (possibly multi-modal, nested) observation ``[*B]``;
-        ``log_prob(action)`` and ``entropy()`` must return ``[*B]`` (sum over action dims inside).
-    value(obs: TensorDictBase) -> Tensor            (optional: a value head, ``[*B]``; PPO needs it)
-    deterministic_action(dist) -> Tensor            (optional: default ``dist.mode``)
+(a) The distribution interface: the model returns an action distribution and Tandem samples.
 
-The observation reaches the model exactly as the env produced it (``rgb`` stays uint8,
-``instruction`` stays int64): the model converts what it needs.
+    action_dist(obs) -> torch.distributions.Distribution
+        for a (possibly multi-modal, nested) observation ``[*B]``; ``log_prob(action)`` and
+        ``entropy()`` must return ``[*B]`` (sum over action dims inside).
+    value(obs) -> Tensor [*B]            optional: a value head (PPO needs it)
+    deterministic_action(dist) -> Tensor optional: default ``dist.mode``
 
-``load_vla_model`` builds such a model from ``policy.vla_config`` and loads its weights (safetensors,
-or a state dict read with ``torch.load(weights_only=True)``); every failure names the path, the
-class or the mismatched parameter.
+(b) The seed framework's policy interface: TensorDict in, TensorDict out (Tandem's own policies).
+
+    forward(td) -> td       reads td["observation"] (batch ``[B]``), adds "action", "sample_log_prob"
+                            and, with a critic, "value"; if it takes ``deterministic=True`` the
+                            evaluator gets its deterministic action, else the sampled one (warned once)
+    get_value(td) -> Tensor [B]
+    evaluate_actions(td) -> (log_prob [B], entropy [B], value [B] or None)    td has "action" too
+
+    A model without a critic says so with ``critic = None`` (as Tandem's ``actor_only`` policy does).
+
+A model with all three methods of (b) is used through (b), one with ``action_dist`` through (a).
+The observation reaches the model exactly as the env produced it (``rgb`` stays uint8, ``instruction``
+stays int64): the model converts what it needs. Both, as run by ``tests/test_vla_loading.py``:
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torch import nn
+    >>> from torch.distributions import Categorical
+    >>> class DistModel(nn.Module):                       # (a)
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.pi, self.v = nn.Linear(4, 2), nn.Linear(4, 1)
+    ...     def action_dist(self, obs):
+    ...         return Categorical(logits=self.pi(obs))
+    ...     def value(self, obs):
+    ...         return self.v(obs).squeeze(-1)
+    >>> class SeedModel(DistModel):                       # (b)
+    ...     def forward(self, td, deterministic=False):
+    ...         dist = self.action_dist(td["observation"])
+    ...         action = dist.probs.argmax(-1) if deterministic else dist.sample()
+    ...         td["action"], td["sample_log_prob"] = action, dist.log_prob(action)
+    ...         td["value"] = self.get_value(td)
+    ...         return td
+    ...     def get_value(self, td):
+    ...         return self.value(td["observation"])
+    ...     def evaluate_actions(self, td):
+    ...         dist = self.action_dist(td["observation"])
+    ...         return dist.log_prob(td["action"]), dist.entropy(), self.get_value(td)
+    >>> for model in (DistModel(), SeedModel()):
+    ...     policy = VLAPolicy(model, VLAConfig(model_class=type(model).__name__))
+    ...     td = policy(TensorDict({"observation": torch.randn(3, 4)}, batch_size=[3]))
+    ...     log_prob, entropy, value = policy.evaluate_actions(td)
+    ...     print(policy.interface, tuple(td["action"].shape), torch.allclose(log_prob, td["sample_log_prob"]))
+    action_dist (3,) True
+    seed (3,) True
+
+:func:`load_vla_model` builds the model from ``policy.vla_config``. ``model_path`` is local, never
+fetched: a ``.safetensors`` file, a ``torch.save`` state dict (``weights_only=True``), or a Hugging Face
+directory (``model.safetensors``, or shards named by ``model.safetensors.index.json``). A class with
+``from_pretrained`` (a transformers model, or an adapter around one) is loaded by
+:func:`load_pretrained` instead. ``vla_config.lora`` adds peft LoRA adapters (:func:`apply_lora`).
+Every failure raises :class:`VLALoadError` naming the path, the class or the parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +79,15 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from shared import keys
-from shared.config import VLAConfig
+from shared.config import LoRAConfig, VLAConfig
+
+log = logging.getLogger("tandem.vla")
+
+DIST, SEED = "action_dist", "seed"            # the two model interfaces, as VLAPolicy.interface names them
+SEED_METHODS = ("forward", "get_value", "evaluate_actions")
+# Weight files of a Hugging Face directory, in the order transformers looks for them: (single, index).
+HF_WEIGHTS = (("model.safetensors", "model.safetensors.index.json"),
+              ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 
 
 class VLALoadError(RuntimeError):
@@ -49,44 +108,96 @@ def _import_class(path: str) -> type:
     return cls
 
 
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise VLALoadError(f"vla_config.model_path {str(path)!r}: no such file")
+# ----------------------------------------------------------------------------- checkpoints
+
+def _read_file(path: Path, where: str) -> dict[str, torch.Tensor]:
+    """One weights file as a state dict (memory-mapped where the format allows)."""
     try:
-        if path.suffix == ".safetensors":
+        if path.name.endswith(".safetensors"):
             from safetensors.torch import load_file
             return load_file(str(path))
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except VLALoadError:
-        raise
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):       # a legacy (non-zip) torch.save file cannot be mapped
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise VLALoadError(f"vla_config.model_path {str(path)!r}: cannot read weights: {type(e).__name__}: {e}") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        raise VLALoadError(f"{where}: cannot read weights: {type(e).__name__}: {e}") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise VLALoadError(f"vla_config.model_path {str(path)!r}: expected a state dict of tensors")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise VLALoadError(f"{where}: expected a state dict of tensors")
     return state
 
 
-def load_vla_model(model_path: str, model_class: str, model_config: dict[str, Any]) -> nn.Module:
-    """Import ``model_class``, build it with ``model_config`` and load ``model_path`` into it.
+def _read_sharded(index_path: Path, where: str) -> dict[str, torch.Tensor]:
+    """The shards an index names, each holding exactly the tensors the index assigns to it."""
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise VLALoadError(f"{where}: {index_path.name} is not a checkpoint index with a weight_map: "
+                           f"{type(e).__name__}: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise VLALoadError(f"{where}: {index_path.name}: weight_map must map parameter names to shard file names")
+    assigned: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        assigned.setdefault(shard, set()).add(name)
+    for shard in sorted(assigned):
+        # a shard name is a file next to the index, never a path out of the checkpoint directory
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise VLALoadError(f"{where}: {index_path.name} names shard {shard!r}, which is not a file name")
+        if not (index_path.parent / shard).is_file():
+            raise VLALoadError(f"{where}: {index_path.name} names shard {shard!r}, which does not exist "
+                               f"(it should hold {len(assigned[shard])} tensors, e.g. {sorted(assigned[shard])[0]!r})")
+    state: dict[str, torch.Tensor] = {}
+    for shard, names in sorted(assigned.items()):
+        part = _read_file(index_path.parent / shard, f"{where}: shard {shard!r}")
+        extra, absent = sorted(part.keys() - names), sorted(names - part.keys())
+        if extra:
+            raise VLALoadError(f"{where}: shard {shard!r} holds tensors {index_path.name} does not assign to it: "
+                               f"{extra}")
+        if absent:
+            raise VLALoadError(f"{where}: {index_path.name} assigns {absent} to shard {shard!r}, which does not "
+                               f"hold them")
+        state.update(part)
+    return state
+
+
+def read_checkpoint(model_path: str | Path, model_class: str = "") -> dict[str, torch.Tensor]:
+    """Read a local checkpoint into one state dict.
+
+    Args:
+        model_path: a ``.safetensors`` file, a ``torch.save`` state dict (read with
+            ``weights_only=True``; a ``{"state_dict": ...}`` wrapper is unwrapped), or a Hugging Face
+            directory with ``model.safetensors`` (or ``pytorch_model.bin``), or shards and their
+            ``*.index.json``.
+        model_class: only for the error messages.
 
     Raises:
-        VLALoadError: missing file, unknown module or class, bad constructor arguments, missing or
-            unexpected parameters, or a parameter whose shape differs (named with both shapes).
+        VLALoadError: no such file, unreadable weights, no weights in the directory, an index naming a
+            missing shard, or a shard holding other tensors than the index assigns to it.
     """
-    cls = _import_class(model_class)
-    try:
-        model = cls(**model_config)
-    except TypeError as e:
-        raise VLALoadError(f"vla_config.model_config does not fit {model_class}: {e}") from None
-    for name in ("action_dist",):
-        if not callable(getattr(model, name, None)):
-            raise VLALoadError(f"{model_class} does not implement the VLA model interface: no {name}(obs)")
-    if not model_path:
-        return model
     path = Path(model_path)
-    state = _read_state(path)
+    where = f"vla_config.model_path {str(path)!r}" + (f" (model_class {model_class})" if model_class else "")
+    if not path.exists():
+        raise VLALoadError(f"vla_config.model_path {str(path)!r}: no such file or directory"
+                           + (f" (model_class {model_class})" if model_class else ""))
+    if path.is_file():
+        return _read_file(path, where)
+    for single, index in HF_WEIGHTS:
+        if (path / single).is_file():
+            return _read_file(path / single, where)
+        if (path / index).is_file():
+            return _read_sharded(path / index, where)
+    present = sorted(p.name for p in path.iterdir())[:10]
+    raise VLALoadError(f"{where}: a directory without model.safetensors, model.safetensors.index.json, "
+                       f"pytorch_model.bin or pytorch_model.bin.index.json (it holds {present})")
+
+
+def _load_state_(model: nn.Module, state: dict[str, torch.Tensor], where: str, model_class: str) -> None:
+    """Copy `state` into `model` after checking every name and shape."""
     own = model.state_dict()
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     wrong = [f"{k}: file {tuple(state[k].shape)}, model {tuple(own[k].shape)}"
@@ -94,18 +205,174 @@ def load_vla_model(model_path: str, model_class: str, model_config: dict[str, An
     if missing or unexpected or wrong:
         parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {unexpected}"] if unexpected else []) \
             + ([f"shape mismatch: {'; '.join(wrong)}"] if wrong else [])
-        raise VLALoadError(f"vla_config.model_path {str(path)!r} does not match {model_class}: " + ", ".join(parts))
+        raise VLALoadError(f"{where} does not match {model_class}: " + ", ".join(parts))
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v)
+
+
+# ----------------------------------------------------------------------------- building
+
+def load_pretrained(model_path: str, model_class: str, model_config: dict[str, Any]) -> nn.Module:
+    """``model_class.from_pretrained(model_path, local_files_only=True, **model_config)``, never from a hub.
+
+    For a transformers class (any class with ``from_pretrained``: an adapter around one may reuse this
+    for its base). Missing, unexpected or mismatched parameters are errors, as for the user's classes.
+
+    Raises:
+        VLALoadError: unknown class, no ``from_pretrained``, a path that does not exist here, or any
+            failure of ``from_pretrained`` (named with the path and the class).
+    """
+    cls = _import_class(model_class)
+    if not callable(getattr(cls, "from_pretrained", None)):
+        raise VLALoadError(f"vla_config.model_class {model_class!r}: has no from_pretrained")
+    if not model_path:
+        raise VLALoadError(f"vla_config.model_path: {model_class}.from_pretrained needs a local checkpoint "
+                           f"directory (got an empty path)")
+    if not Path(model_path).exists():   # a missing path would send from_pretrained to the hub
+        raise VLALoadError(f"vla_config.model_path {model_path!r}: no such file or directory (model_class "
+                           f"{model_class}; checkpoints are never fetched from a hub)")
+    if model_config.get("local_files_only", True) is not True:
+        raise VLALoadError(f"vla_config.model_config.local_files_only: must stay true for {model_class} "
+                           f"(checkpoints are never fetched from a hub)")
+    kwargs = {**model_config, "local_files_only": True}
+    try:
+        from transformers import PreTrainedModel
+        with_info = issubclass(cls, PreTrainedModel)
+    except ImportError:
+        with_info = False
+    try:
+        out = cls.from_pretrained(model_path, **kwargs, **({"output_loading_info": True} if with_info else {}))
+    except Exception as e:
+        raise VLALoadError(f"vla_config.model_path {model_path!r}: {model_class}.from_pretrained failed: "
+                           f"{type(e).__name__}: {e}") from None
+    model, info = out if with_info and isinstance(out, tuple) and len(out) == 2 else (out, {})
+    problems = [f"{what} {sorted(info[key])}" for key, what in (("missing_keys", "missing"),
+                ("unexpected_keys", "unexpected"), ("mismatched_keys", "shape mismatch")) if info.get(key)]
+    if problems:  # transformers only warns: a half-initialised pretrained policy is a wrong checkpoint
+        raise VLALoadError(f"vla_config.model_path {model_path!r} does not match {model_class}: " + ", ".join(problems))
+    if not isinstance(model, nn.Module):
+        raise VLALoadError(f"vla_config.model_class {model_class!r}: from_pretrained returned "
+                           f"{type(model).__name__}, not an nn.Module")
     return model
 
 
+def model_interface(model: nn.Module, model_class: str = "") -> str:
+    """Which interface `model` implements: ``"seed"`` (b) or ``"action_dist"`` (a).
+
+    Raises:
+        VLALoadError: neither; the message says which methods of each interface are missing.
+    """
+    def has(name: str) -> bool:
+        fn = getattr(model, name, None)
+        # nn.Module's own forward only raises NotImplementedError
+        return callable(fn) and not (name == "forward" and type(model).forward is nn.Module.forward)
+
+    seed = [m for m in SEED_METHODS if has(m)]
+    if len(seed) == len(SEED_METHODS):
+        return SEED
+    if has("action_dist"):
+        return DIST
+    absent = [m for m in SEED_METHODS if m not in seed]
+    seed_text = (f"has {', '.join(seed)} but no {', '.join(absent)}" if seed
+                 else f"has none of {', '.join(SEED_METHODS)}")
+    raise VLALoadError(
+        f"vla_config.model_class {model_class or type(model).__name__!r}: {type(model).__name__} implements neither "
+        f"interface: {seed_text} (seed interface: forward(td), get_value(td), evaluate_actions(td)); no "
+        f"action_dist(obs) (distribution interface). A transformers model needs an adapter that implements one "
+        f"(see shared/policies/vla.py)")
+
+
+def load_vla_model(model_path: str, model_class: str, model_config: dict[str, Any]) -> nn.Module:
+    """Build ``model_class`` from ``model_config``, load ``model_path`` and check its interface.
+
+    A class with ``from_pretrained`` goes through :func:`load_pretrained`; any other is built with
+    ``model_class(**model_config)`` and given the weights of :func:`read_checkpoint` (none for an empty
+    ``model_path``).
+
+    Raises:
+        VLALoadError: missing file, unknown module or class, constructor arguments that do not fit,
+            missing or unexpected parameters, a parameter whose shape differs (with both shapes), an index
+            naming a missing shard, or a model implementing neither interface (naming the missing method).
+    """
+    cls = _import_class(model_class)
+    if callable(getattr(cls, "from_pretrained", None)):
+        model = load_pretrained(model_path, model_class, model_config)
+    else:
+        try:
+            model = cls(**model_config)
+        except TypeError as e:
+            raise VLALoadError(f"vla_config.model_config does not fit {model_class}: {e}") from None
+        except Exception as e:
+            raise VLALoadError(f"vla_config.model_config: {model_class}(**model_config) failed: "
+                               f"{type(e).__name__}: {e}") from None
+        model_interface(model, model_class)  # before reading a large checkpoint for a model that cannot act
+        if model_path:
+            where = f"vla_config.model_path {model_path!r}"
+            _load_state_(model, read_checkpoint(model_path, model_class), where, model_class)
+    model_interface(model, model_class)
+    return model
+
+
+def apply_lora(model: nn.Module, lora: LoRAConfig, model_class: str = "") -> nn.Module:
+    """Add peft LoRA adapters to `model` in place and freeze what they adapt.
+
+    The adapters go into ``model.get_submodule(model.lora_base)`` when the model names its pretrained
+    part that way (an adapter whose value head must stay trainable), else into the whole model. That
+    base is frozen except the adapters and ``lora.modules_to_save``; the model's parameters outside it
+    keep their ``requires_grad``.
+
+    Returns:
+        The ``peft.PeftModel`` around the base (its ``get_nb_trainable_parameters()`` counts the base only).
+
+    Raises:
+        VLALoadError: peft is not installed, ``dropout`` is 1, a target or a module to save matches no
+            module of the base (a few that exist are named), or peft refuses a target.
+    """
+    try:
+        import peft
+    except ImportError:
+        raise VLALoadError("vla_config.lora needs peft: pip install -e '.[vla]'") from None
+    name = model_class or type(model).__name__
+    if not lora.dropout < 1:
+        raise VLALoadError(f"vla_config.lora.dropout: must be below 1 (got {lora.dropout}): it would drop every "
+                           f"adapter input")
+    base_name = getattr(model, "lora_base", None)
+    try:
+        base = model.get_submodule(base_name) if base_name else model
+    except AttributeError:
+        raise VLALoadError(f"{name}.lora_base {base_name!r}: no such submodule") from None
+    names = [n for n, _ in base.named_modules() if n]
+    adaptable = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d))
+                 or type(m).__name__ == "Conv1D"]   # transformers' GPT-2 projection layer
+    short = list(dict.fromkeys(n.rsplit(".", 1)[-1] if not n.rsplit(".", 1)[-1].isdigit() else n for n in adaptable))
+    exist = f"{', '.join(short[:10])}{f' (and {len(short) - 10} more)' if len(short) > 10 else ''}"
+    where = f"{name}" + (f".{base_name}" if base_name else "")
+    unsaved = [m for m in lora.modules_to_save if not any(n == m or n.endswith("." + m) for n in names)]
+    if unsaved:
+        raise VLALoadError(f"vla_config.lora.modules_to_save {unsaved}: no module of {where} has this name")
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=list(lora.target_modules),
+                             modules_to_save=list(lora.modules_to_save) or None)
+    try:
+        return peft.get_peft_model(base, config)
+    except (ValueError, TypeError) as e:
+        raise VLALoadError(f"vla_config.lora.target_modules {lora.target_modules}: {e} (layers of {where} that "
+                           f"can take adapters: {exist or 'none'})") from None
+
+
+# ----------------------------------------------------------------------------- the policy
+
 class VLAPolicy(nn.Module):
-    """A VLA model behind Tandem's policy interface (TensorDict in, TensorDict out)."""
+    """A VLA model behind Tandem's policy interface (TensorDict in, TensorDict out).
+
+    Applies ``vla_config``'s ``dtype``, ``freeze`` and ``lora`` (in that order) to the model, which it
+    keeps as ``self.model`` (with LoRA, adapters injected in place; ``peft_model`` is peft's view of it).
+    """
 
     def __init__(self, model: nn.Module, cfg: VLAConfig):
         super().__init__()
+        self.interface = model_interface(model, cfg.model_class)
         self.model = model
         self.autocast = cfg.autocast
         if cfg.dtype == "bfloat16":
@@ -117,8 +384,22 @@ class VLAPolicy(nn.Module):
                 frozen += 1
         if cfg.freeze and not frozen:
             raise VLALoadError(f"vla_config.freeze {cfg.freeze}: no parameter name starts with these prefixes")
+        # Not a submodule: its parameters are the model's, registered once under "model.".
+        self.__dict__["_peft_model"] = apply_lora(model, cfg.lora, cfg.model_class) if cfg.lora else None
+        if self.interface == SEED:
+            with_critic = getattr(model, "critic", True) is not None
+            params = inspect.signature(model.forward).parameters.values()
+            self._forward_deterministic = any(p.name == "deterministic" or p.kind is p.VAR_KEYWORD for p in params)
+            self._warned_deterministic = False
+        else:
+            with_critic = callable(getattr(model, "value", None))
         # PPO needs a value head; has_critic() reads this attribute.
-        self.critic = self.model if callable(getattr(model, "value", None)) else None
+        self.critic = self.model if with_critic else None
+
+    @property
+    def peft_model(self):
+        """``peft.PeftModel`` around the LoRA base, or None without ``vla_config.lora``."""
+        return self._peft_model
 
     def _ctx(self, device: torch.device):
         if self.autocast and device.type in ("cuda", "cpu"):
@@ -130,6 +411,8 @@ class VLAPolicy(nn.Module):
 
     def forward(self, td: TensorDictBase, deterministic: bool = False) -> TensorDictBase:
         with self._ctx(self._device()):
+            if self.interface == SEED:
+                return self._seed_forward(td, deterministic)
             obs = td[keys.OBS]
             dist = self.model.action_dist(obs)
             if deterministic:
@@ -143,18 +426,54 @@ class VLAPolicy(nn.Module):
                 td.set(keys.VALUE, self.model.value(obs).float())
         return td
 
+    def _seed_forward(self, td: TensorDictBase, deterministic: bool) -> TensorDictBase:
+        if deterministic and not self._forward_deterministic:
+            if not self._warned_deterministic:
+                log.warning("%s.forward takes no 'deterministic' keyword: deterministic calls (evaluation) use "
+                            "the sampled action", type(self.model).__name__)
+                self._warned_deterministic = True
+            deterministic = False
+        out = self.model(td, deterministic=True) if deterministic else self.model(td)
+        out = td if out is None else out
+        needed = (keys.ACTION, keys.LOG_PROB) + ((keys.VALUE,) if self.critic is not None else ())
+        absent = [k for k in needed if k not in out.keys()]
+        if absent:
+            raise RuntimeError(f"{type(self.model).__name__}.forward did not add {absent} to the TensorDict "
+                               f"(seed interface: action, sample_log_prob and, with a critic, value)")
+        if out[keys.LOG_PROB].shape != td.batch_size:
+            raise RuntimeError(f"{type(self.model).__name__}.forward: sample_log_prob has shape "
+                               f"{tuple(out[keys.LOG_PROB].shape)}, expected the batch {tuple(td.batch_size)}")
+        td.set(keys.ACTION, out[keys.ACTION])
+        td.set(keys.LOG_PROB, out[keys.LOG_PROB].float())
+        if self.critic is not None:
+            td.set(keys.VALUE, out[keys.VALUE].float())
+        return td
+
     def get_value(self, td: TensorDictBase) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("get_value: this VLA model has no value head")
         with self._ctx(self._device()):
+            if self.interface == SEED:
+                return self.model.get_value(td).float()
             return self.model.value(td[keys.OBS]).float()
 
     def evaluate_actions(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-prob and entropy of ``td["action"]``, and the value (None without a critic): each ``[B]``."""
         with self._ctx(self._device()):
+            if self.interface == SEED:
+                logp, entropy, value = self.model.evaluate_actions(td)
+                return logp.float(), entropy.float(), value.float() if value is not None else None
             obs = td[keys.OBS]
             dist = self.model.action_dist(obs)
             value = self.model.value(obs).float() if self.critic is not None else None
             return dist.log_prob(td[keys.ACTION]).float(), dist.entropy().float(), value
 
     def update_normalizer(self, obs, all_reduce=None) -> None:
-        """VLA models normalise their own inputs; nothing to track here."""
+        """A seed-interface model's own normaliser is updated; VLA models otherwise normalise their inputs."""
+        update = getattr(self.model, "update_normalizer", None) if self.interface == SEED else None
+        if update is None:
+            return
+        if "all_reduce" in inspect.signature(update).parameters:
+            update(obs, all_reduce=all_reduce)
+        else:
+            update(obs)
