@@ -235,6 +235,10 @@ class ActionTokenPolicy(nn.Module):
             vocabulary, a special token inside the block, ...), each with the fix.
     """
 
+    # vla_config.lora wraps only the pretrained backbone (shared/policies/vla.py: apply_lora): the value
+    # head beside it stays fully trainable.
+    lora_base = "model"
+
     def __init__(self, model: nn.Module, action_dim: int, low: float | Sequence[float] = -1.0,
                  high: float | Sequence[float] = 1.0, n_bins: int = 256, token_offset: int | None = None,
                  reserve_tail: int = 0, decoding: str = "parallel", value_head: bool = True,
