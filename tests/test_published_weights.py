@@ -3,6 +3,9 @@ tensors, each once, and a process whose frozen base differs from the learner's i
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from actors.actor import Actor
@@ -75,3 +78,25 @@ def test_an_actor_with_another_base_is_refused_with_both_digests(caplog):
         learner.ingest(td, {**meta, "base_digest": actor.base_digest})
     learner.ingest(td, meta)
     assert len(learner.buffer) == 1
+
+
+@pytest.mark.slow
+def test_action_token_vla_with_lora_trains_through_the_launcher(tmp_path):
+    """The tiny PaliGemma action-token policy with LoRA, as separate learner, actor and evaluator
+    processes: every process builds the same base (digests agree: nothing refused), and what
+    travels and what is checkpointed is the LoRA tensors and the value head only."""
+    from tests.test_integration import ROOT, launch, read_jsonl
+    run_dir = tmp_path / "run"
+    run = launch(tmp_path, run_dir, "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
+                 "--steps", "2048")
+    try:
+        assert run.wait(240) == 0, run.output()
+    finally:
+        run.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rejected"] == summary["malformed"] == 0 and summary["version"] >= 3, summary
+    assert "last_eval/return_mean" in summary
+    assert len([e for e in read_jsonl(run_dir / "versions.jsonl") if e["event"] == "consume"]) >= 3
+    ckpt = sorted((run_dir / "checkpoints").glob("ckpt_*.pt"))[-1]
+    state = torch.load(ckpt, weights_only=True)
+    assert state["policy"] and all("lora_" in k or "value_head." in k for k in state["policy"])
