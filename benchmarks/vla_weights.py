@@ -6,7 +6,7 @@ PaliGemma-class model (random initialisation: no hub here) behind ``ActionTokenP
 
 Reports, all measured in this run on this machine:
 - load time: ``save_pretrained`` of the backbone (sharded safetensors + index), then
-  ``load_vla_model`` of that directory (``from_pretrained``, local files only), against reading the
+  ``load_pretrained`` of that directory (``from_pretrained``, local files only), against reading the
   same bytes with a plain ``torch`` copy (the memory-copy baseline);
 - time per acting step (``action_dist`` + sample + ``value``) at each batch size, in float32 and
   bfloat16;
@@ -40,7 +40,7 @@ from _common import machine_info  # noqa: E402
 from shared.config import LoRAConfig  # noqa: E402
 from shared.policies import published_state  # noqa: E402
 from shared.policies.action_tokens import PaliGemmaActionTokenPolicy  # noqa: E402
-from shared.policies.vla import apply_lora, load_vla_model  # noqa: E402
+from shared.policies.vla import apply_lora, load_pretrained  # noqa: E402
 
 
 def nbytes(tensors) -> int:
@@ -83,7 +83,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    policy = PaliGemmaActionTokenPolicy(size=args.size, action_dim=7).eval()
+    policy = PaliGemmaActionTokenPolicy(size=args.size, action_dim=7, reserve_tail=64).eval()   # PaliGemma: <image> is id 257152
     out["build_s"] = time.perf_counter() - t0
     backbone = policy.model
     total_params = sum(p.numel() for p in policy.parameters())
@@ -98,7 +98,7 @@ def main() -> int:
         out["save_s"] = time.perf_counter() - t0
         shards = sorted(tmp.glob("*.safetensors"))
         t0 = time.perf_counter()
-        loaded = load_vla_model(str(tmp), "transformers.PaliGemmaForConditionalGeneration", {})
+        loaded = load_pretrained(str(tmp), "transformers.PaliGemmaForConditionalGeneration", {})
         out["load_s"] = time.perf_counter() - t0
         state = {k: v for k, v in loaded.state_dict().items()}
         copy = {k: torch.empty_like(v) for k, v in state.items()}
@@ -107,7 +107,7 @@ def main() -> int:
             copy[k].copy_(v)
         out["memcpy_s"] = time.perf_counter() - t0
         del loaded, copy, state
-        print(f"[vla] save_pretrained {out['save_s']:.1f} s ({len(shards)} shards); load_vla_model "
+        print(f"[vla] save_pretrained {out['save_s']:.1f} s ({len(shards)} shards); load_pretrained "
               f"{out['load_s']:.1f} s = {out['load_s'] / out['memcpy_s']:.1f}x one memory copy "
               f"({out['memcpy_s']:.2f} s)", flush=True)
     finally:
