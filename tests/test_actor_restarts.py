@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import torch
-from tensordict import TensorDict
 
 from actors.actor import Actor
 from learner.learner import Learner, ListPublisher
