@@ -286,9 +286,11 @@ def model_interface(model: nn.Module, model_class: str = "") -> str:
 def load_vla_model(model_path: str, model_class: str, model_config: dict[str, Any]) -> nn.Module:
     """Build ``model_class`` from ``model_config``, load ``model_path`` and check its interface.
 
-    A class with ``from_pretrained`` goes through :func:`load_pretrained`; any other is built with
-    ``model_class(**model_config)`` and given the weights of :func:`read_checkpoint` (none for an empty
-    ``model_path``).
+    With a ``model_path``, a class with ``from_pretrained`` goes through :func:`load_pretrained`; any
+    other class, or any class without a ``model_path``, is built with ``model_class(**model_config)``
+    (a class that also has ``from_pretrained``, such as an adapter that builds its backbone from a
+    config, then starts from its own initialisation) and given the weights of :func:`read_checkpoint`
+    (none for an empty ``model_path``).
 
     Raises:
         VLALoadError: missing file, unknown module or class, constructor arguments that do not fit,
@@ -296,7 +298,7 @@ def load_vla_model(model_path: str, model_class: str, model_config: dict[str, An
             naming a missing shard, or a model implementing neither interface (naming the missing method).
     """
     cls = _import_class(model_class)
-    if callable(getattr(cls, "from_pretrained", None)):
+    if model_path and callable(getattr(cls, "from_pretrained", None)):
         model = load_pretrained(model_path, model_class, model_config)
     else:
         try:
