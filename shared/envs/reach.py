@@ -8,7 +8,8 @@ proprioceptive vector (it is not drawn). Solving it needs all three inputs.
 Observation (a TensorDict): ``rgb`` uint8 ``[S, S, 3]``, ``proprio`` float32 ``[4]`` (position and
 last action), ``instruction`` int64 ``[4]``. Action: a 2-D velocity in ``[-1, 1]``. Reward: the
 progress towards the named target (in step lengths), +5 on reaching it (within ``success_radius``),
-which ends the episode (terminated); ``max_episode_steps`` truncates.
+which ends the episode (terminated); ``max_episode_steps`` truncates. ``reward="success"`` gives
+the sparse 0/1 reward instead: 1 on the step that reaches the target, else 0.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ class Reach:
     num_targets = 3
 
     def __init__(self, num_envs: int, device: str | torch.device = "cpu", image_size: int = 16,
-                 max_episode_steps: int = 30, step_size: float = 0.15, success_radius: float = 0.15):
+                 max_episode_steps: int = 30, step_size: float = 0.15, success_radius: float = 0.15,
+                 reward: str = "dense"):
+        if reward not in ("dense", "success"):
+            raise ValueError(f"Reach: reward={reward!r} must be 'dense' or 'success'")
+        self.reward_kind = reward
         self.num_envs, self.device = num_envs, torch.device(device)
         self.image_size, self.max_episode_steps = image_size, max_episode_steps
         self.step_size, self.success_radius = step_size, success_radius
@@ -113,6 +118,8 @@ class Reach:
         success = dist < self.success_radius
         # progress towards the named target (in step lengths, within [-1, 1]) and a success bonus
         reward = (prev - dist) / self.step_size + 5.0 * success.float()
+        if self.reward_kind == "success":   # sparse 0/1
+            reward = success.float()
         self.ep_return += reward.double()
         terminated = success
         truncated = (self.t >= self.max_episode_steps) & ~terminated

@@ -541,3 +541,59 @@ class PaliGemmaActionTokenPolicy(ActionTokenPolicy):
 
         super().__init__(PaliGemmaForConditionalGeneration(paligemma_config(size, **(backbone or {}))), action_dim,
                          **kwargs)
+        self._adapter_kwargs = {"action_dim": action_dim, **kwargs}
+
+    ADAPTER_WEIGHTS, ADAPTER_CONFIG = "tandem_adapter.safetensors", "tandem_adapter.json"
+
+    def save_pretrained(self, path) -> None:
+        """A local Hugging Face checkpoint: the backbone's ``save_pretrained(path)`` (config.json,
+        model.safetensors) plus the adapter's own tensors (the value head) in ``tandem_adapter.safetensors``
+        and its constructor keywords in ``tandem_adapter.json``."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        self.model.save_pretrained(str(path))
+        own = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("model.")}
+        save_file(own, str(path / self.ADAPTER_WEIGHTS))
+        (path / self.ADAPTER_CONFIG).write_text(json.dumps(self._adapter_kwargs, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path, local_files_only: bool = True, **overrides) -> PaliGemmaActionTokenPolicy:
+        """Load what ``save_pretrained`` wrote: the backbone with
+        ``PaliGemmaForConditionalGeneration.from_pretrained(path, local_files_only=True)``, the adapter built
+        from ``tandem_adapter.json`` updated with ``overrides`` (``vla_config.model_config``; ``size`` and
+        ``backbone`` are ignored: the checkpoint's config decides), then its tensors.
+
+        Raises:
+            ValueError: ``local_files_only`` false (checkpoints are never fetched from a hub).
+            FileNotFoundError: no ``tandem_adapter.json`` in ``path``.
+            RuntimeError: adapter tensors that do not match the adapter.
+        """
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+        from transformers import PaliGemmaForConditionalGeneration
+
+        if local_files_only is not True:
+            raise ValueError("PaliGemmaActionTokenPolicy.from_pretrained: local_files_only must be True")
+        path = Path(path)
+        kwargs = json.loads((path / cls.ADAPTER_CONFIG).read_text())
+        overrides = {k: v for k, v in overrides.items() if k not in ("size", "backbone")}
+        kwargs.update(overrides)
+        backbone = PaliGemmaForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
+        self = cls.__new__(cls)
+        action_dim = kwargs.pop("action_dim", 2)
+        ActionTokenPolicy.__init__(self, backbone, action_dim, **kwargs)
+        self._adapter_kwargs = {"action_dim": action_dim, **kwargs}
+        weights = path / cls.ADAPTER_WEIGHTS
+        saved = load_file(str(weights)) if weights.is_file() else {}
+        own = {k for k in self.state_dict() if not k.startswith("model.")}
+        if own - saved.keys():
+            raise RuntimeError(f"PaliGemmaActionTokenPolicy.from_pretrained({str(path)!r}): {weights.name} lacks "
+                               f"{sorted(own - saved.keys())}")
+        self.load_state_dict({k: v for k, v in saved.items() if k in own}, strict=False)
+        return self
