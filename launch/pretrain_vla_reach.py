@@ -18,29 +18,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tensordict import TensorDict
 
 from learner.evaluator import evaluate
 from shared.config import VLAConfig
-from shared.envs.reach import Reach, VOCAB_SIZE
+from shared.envs.reach import VOCAB_SIZE, Reach, expert_batch
 from shared.policies.tiny_vla import TinyVLA
 from shared.policies.vla import VLAPolicy
 
 MODEL_CONFIG = {"image_size": 16, "vocab_size": VOCAB_SIZE, "proprio_dim": 4, "action_dim": 2, "hidden": 64,
                 "log_std_init": -1.5}
-
-
-def expert_batch(env: Reach, steps: int, noise: float, gen: torch.Generator) -> tuple[TensorDict, torch.Tensor]:
-    """Roll the expert (with action noise, so states off its path are visited) and record (obs, expert action)."""
-    obs_list, act_list = [], []
-    obs = env.reset(seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    for _ in range(steps):
-        target = env.expert_action()
-        obs_list.append(obs.clone())
-        act_list.append(target.clone())
-        act = (target + noise * torch.randn(target.shape, generator=gen)).clamp(-1, 1)
-        obs = env.step(act).obs
-    return torch.cat(obs_list), torch.cat(act_list)
 
 
 def success_rate(model: TinyVLA, episodes: int, seed: int) -> float:

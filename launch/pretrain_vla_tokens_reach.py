@@ -25,7 +25,7 @@ import torch
 
 from learner.evaluator import evaluate
 from shared.config import VLAConfig
-from shared.envs.reach import Reach
+from shared.envs.reach import Reach, expert_batch
 from shared.policies.action_tokens import PaliGemmaActionTokenPolicy
 from shared.policies.vla import VLAPolicy
 
@@ -33,19 +33,6 @@ MODEL_CLASS = "shared.policies.action_tokens.PaliGemmaActionTokenPolicy"
 BACKBONE = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate": 128,
             "vision_hidden": 48, "vision_layers": 2, "vision_heads": 2, "vision_intermediate": 96}
 ADAPTER = {"action_dim": 2, "n_bins": 21, "decoding": "parallel"}
-
-
-def expert_batch(env: Reach, steps: int, noise: float, gen: torch.Generator):
-    """Roll the expert (with action noise, so states off its path are visited) and record (obs, expert action)."""
-    obs_list, act_list = [], []
-    obs = env.reset(seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    for _ in range(steps):
-        target = env.expert_action()
-        obs_list.append(obs.clone())
-        act_list.append(target.clone())
-        act = (target + noise * torch.randn(target.shape, generator=gen)).clamp(-1, 1)
-        obs = env.step(act).obs
-    return torch.cat(obs_list), torch.cat(act_list)
 
 
 @torch.no_grad()

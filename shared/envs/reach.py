@@ -139,3 +139,18 @@ class Reach:
 
     def close(self) -> None:
         pass
+
+
+def expert_batch(env: Reach, steps: int, noise: float, gen: torch.Generator) -> tuple:
+    """Roll the scripted expert for `steps` steps of `env` (with action noise, so that states off its
+    path are visited too) and return ``(observations, expert actions)``, concatenated over steps:
+    behaviour-cloning data for the pretraining scripts."""
+    obs_list, act_list = [], []
+    obs = env.reset(seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    for _ in range(steps):
+        target = env.expert_action()
+        obs_list.append(obs.clone())
+        act_list.append(target.clone())
+        act = (target + noise * torch.randn(target.shape, generator=gen)).clamp(-1, 1)
+        obs = env.step(act).obs
+    return torch.cat(obs_list), torch.cat(act_list)
