@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from shared.wire import MAX_DIMS, MAX_ELEMENTS, WireError
+from shared.wire import WireError, check_tensor_entry
 
 ALIGN = 64
 HEADER_BYTES = 64          # per slot: begin version, end version, progress bytes (int64), padding
@@ -121,19 +121,8 @@ def _parse(meta: Any) -> _Announcement:
         if not (isinstance(e, list) and len(e) == 4):
             raise WireError(f"shared-memory layout entry {i} must be [path, dtype, shape, offset]")
         path, dtype_name, shape, offset = e
-        if not (isinstance(path, list) and 0 < len(path) <= MAX_DIMS and all(isinstance(k, str) and k for k in path)):
-            raise WireError(f"shared-memory layout entry {i}: bad key path {str(path)[:100]}")
-        path = tuple(path)
-        name = ".".join(path)[:100]
-        if path in paths:
-            raise WireError(f"shared-memory weights {name}: duplicate key path")
-        paths.add(path)
-        dtype = _TORCH_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        if dtype is None:
-            raise WireError(f"shared-memory weights {name}: unknown dtype {str(dtype_name)[:40]!r}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_uint(n, MAX_ELEMENTS + 1) for n in shape)
-                and math.prod(max(n, 1) for n in shape) <= MAX_ELEMENTS):
-            raise WireError(f"shared-memory weights {name}: bad shape {str(shape)[:100]}")
+        path, name, dtype = check_tensor_entry(i, path, dtype_name, shape, paths, _TORCH_DTYPES,
+                                               what="shared-memory weights")
         # the writer packs the tensors in layout order, each at the next multiple of ALIGN (see
         # _layout): any other offset would read another tensor's bytes, or past the slot
         nbytes, packed = math.prod(shape) * dtype.itemsize, _align(end)

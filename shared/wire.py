@@ -156,6 +156,33 @@ def _name(path: Sequence[str], limit: int = 100) -> str:
     return name if len(name) <= limit else name[:limit - 3] + "..."
 
 
+def check_tensor_entry(i: int, path: Any, dtype_name: Any, shape: Any, seen: set,
+                       dtypes: dict[str, torch.dtype] | None = None, what: str = "tensor"
+                       ) -> tuple[tuple[str, ...], str, torch.dtype]:
+    """Check one ``[path, dtype, shape]`` entry of a header (or a shared-memory layout) against
+    `seen` (the paths so far, added to). Returns ``(path, name for messages, dtype)``.
+
+    Raises:
+        WireError: a bad key path, a duplicate, a dtype not in `dtypes` (default: the allow-list) or a
+            shape outside the bounds (at most MAX_DIMS ints >= 0 spanning at most MAX_ELEMENTS).
+    """
+    if not (isinstance(path, list) and 0 < len(path) <= MAX_DIMS and all(isinstance(p, str) and p for p in path)):
+        raise WireError(f"{what} entry {i}: bad key path {_short(path)}")
+    path = tuple(path)
+    name = _name(path)
+    if path in seen:
+        raise WireError(f"{what} {name!r}: duplicate key path")
+    seen.add(path)
+    dtype = (dtypes or _DTYPES).get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise WireError(f"{what} {name!r}: dtype {_short(dtype_name)} is not allowed (an unknown dtype, or one "
+                        f"outside the allow-list)")
+    if not _is_dims(shape):
+        raise WireError(f"{what} {name!r}: bad shape {_short(shape)}: at most {MAX_DIMS} ints >= 0 spanning "
+                        f"at most {MAX_ELEMENTS} elements (zeros count as ones)")
+    return path, name, dtype
+
+
 def _parse_header(head: memoryview) -> dict:
     if len(head) > MAX_HEADER_BYTES:
         raise WireError(f"header is {len(head)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
@@ -213,21 +240,8 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     for i, entry in enumerate(entries):
         if not (isinstance(entry, list) and len(entry) == 3):
             raise WireError(f"tensor entry {i} must be [path, dtype, shape]")
-        path, dtype_name, shape = entry
-        if not (isinstance(path, list) and 0 < len(path) <= MAX_DIMS
-                and all(isinstance(p, str) and p for p in path)):
-            raise WireError(f"tensor entry {i}: bad key path {_short(path)}")
-        path = tuple(path)
-        name = _name(path)
-        if path in paths:
-            raise WireError(f"tensor {name!r}: duplicate key path")
-        paths.add(path)
-        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        if dtype is None:
-            raise WireError(f"tensor {name!r}: dtype {_short(dtype_name)} is not allowed")
-        if not _is_dims(shape):
-            raise WireError(f"tensor {name!r}: bad shape {_short(shape)}: at most {MAX_DIMS} ints >= 0 spanning "
-                            f"at most {MAX_ELEMENTS} elements (zeros count as ones)")
+        _, dtype_name, shape = entry
+        path, name, dtype = check_tensor_entry(i, *entry, paths)
         if shape[:len(batch)] != batch:
             raise WireError(f"tensor {name!r}: shape {shape} does not start with the batch size {batch}")
         nbytes = math.prod(shape) * dtype.itemsize
