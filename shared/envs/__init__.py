@@ -7,18 +7,23 @@ import torch
 from shared.envs.base import ActionSpec, BatchedEnv, EnvSpec, StepResult
 
 TORCH_NATIVE_PREFIX = "tandem/"
+MANISKILL_PREFIX = "maniskill/"   # ManiSkill3 tasks (shared/envs/maniskill.py; launch/setup_maniskill.sh)
 
 
 def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
              device: str | torch.device = "cpu") -> BatchedEnv:
     """Build ``num_envs`` envs of ``env_id`` as one :class:`BatchedEnv`.
 
-    ``tandem/<Name>`` ids are torch-native batched simulators that run on ``device``; anything else
+    ``tandem/<Name>`` ids are torch-native batched simulators that run on ``device``;
+    ``maniskill/<EnvId>`` is a ManiSkill3 task (CPU or GPU PhysX); anything else
     is a gymnasium id stepped on the CPU (``device`` then only says where the policy runs).
     """
     if env_id.startswith(TORCH_NATIVE_PREFIX):
         from shared.envs.torch_envs import make_torch_env
         return make_torch_env(env_id[len(TORCH_NATIVE_PREFIX):], num_envs, env_kwargs or {}, device)
+    if env_id.startswith(MANISKILL_PREFIX):
+        from shared.envs.maniskill import make_maniskill_env
+        return make_maniskill_env(env_id[len(MANISKILL_PREFIX):], num_envs, env_kwargs or {}, device)
     from shared.envs.gym_env import GymBatchedEnv
     return GymBatchedEnv(env_id, num_envs, env_kwargs)
 
