@@ -139,3 +139,33 @@ def test_trains_through_the_launcher(tmp_path, algo):
     assert any("train/success_rate" in m for m in metrics)
     evals = [m for m in metrics if "eval/success_rate" in m]
     assert evals and 0.0 <= evals[-1]["eval/success_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("terminate", [False, True])
+def test_success_ends_the_episode_only_when_asked(monkeypatch, terminate):
+    """ManiSkill's own step says success at step 2 of env 0 (and terminated): by default the episode
+    goes on to the limit and counts as solved (success_once); with terminate_on_success it ends there."""
+    from shared.envs import maniskill
+    env = make(2, max_episode_steps=4, terminate_on_success=terminate)
+    real = maniskill._CpuScenes.step
+    calls = {"n": 0}
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = real(self, action)
+        calls["n"] += 1
+        hit = torch.tensor([calls["n"] == 2, False])
+        return obs, reward, terminated | hit, truncated, {**info, "success": hit}
+
+    try:
+        env.reset(seed=[1, 2])
+        monkeypatch.setattr(maniskill._CpuScenes, "step", step)
+        outs = [env.step(torch.zeros(2, *env.spec.action.shape)) for _ in range(4)]
+        if terminate:
+            assert outs[1].terminated.tolist() == [True, False] and outs[1].episode_successes == [True]
+            assert outs[3].truncated.tolist() == [False, True] and outs[3].episode_successes == [False]
+        else:
+            assert not any(o.terminated.any() for o in outs)
+            assert outs[3].truncated.all() and outs[3].episode_successes == [True, False]
+            assert outs[3].episode_lengths == [4, 4]
+    finally:
+        env.close()

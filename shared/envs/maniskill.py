@@ -16,9 +16,15 @@ Any installed ManiSkill3 task (``PushCube-v1``, ``PickCube-v1``, ...) with these
   (``"proprio"`` for ``ActionTokenPolicy``).
 * ``sim_kwargs``: anything else ``gym.make`` accepts for that task.
 
-Episodes end as ManiSkill says (``terminated`` on success or failure, ``truncated`` at the time
-limit); the env then resets that env only, and ``final_obs`` keeps the true last observation.
-``info["success"]`` at an episode's end is its ``episode_successes`` entry. ``reset(seed=[...])`` with
+* ``terminate_on_success`` (false): by default an episode runs to the time limit, as in ManiSkill's
+  evaluations (``ignore_terminations``), and its success is ManiSkill's ``success_once`` (solved at any
+  step). ManiSkill's tasks otherwise terminate on success while their dense reward stays positive, so
+  with a true terminal (no bootstrap) succeeding *loses* return and PPO learns to hover short of it
+  (ManiSkill's own PPO bootstraps through those terminations instead). With ``true``, success ends
+  the episode and is its last step's ``info["success"]``. A task's ``fail`` always terminates.
+
+``truncated`` is the time limit; the env then resets that env only, and ``final_obs`` keeps the true
+last observation. ``reset(seed=[...])`` with
 equal seeds gives equal initial states (GRPO groups).
 
 SAPIEN needs a Vulkan device even for state observations. On a machine without a GPU, run
@@ -41,7 +47,7 @@ from shared.envs.base import ActionSpec, EnvSpec, StepResult
 PREFIX = "maniskill/"
 SETUP = "launch/setup_maniskill.sh"
 _KEYS = {"obs_mode", "control_mode", "reward_mode", "max_episode_steps", "sim_backend", "image_size", "camera",
-         "instruction", "state_key", "sim_kwargs"}
+         "instruction", "state_key", "sim_kwargs", "terminate_on_success"}
 
 
 def vulkan_dir() -> Path:
@@ -130,7 +136,7 @@ class _CpuScenes:
         self._last = [o[0] for o in outs]
         obs = self._cat(self._last)
         infos = [o[4] for o in outs]
-        info = {"success": torch.cat([i["success"].reshape(1) for i in infos])} if "success" in infos[0] else {}
+        info = {k: torch.cat([i[k].reshape(1) for i in infos]) for k in ("success", "fail") if k in infos[0]}
         return (obs, torch.cat([o[1].reshape(1) for o in outs]), torch.cat([o[2].reshape(1) for o in outs]),
                 torch.cat([torch.as_tensor(o[3]).reshape(1) for o in outs]), info)
 
@@ -173,6 +179,7 @@ class ManiSkillEnv:
             self.sim = _CpuScenes(gym, task, num_envs, kwargs)
         else:
             self.sim = gym.make(task, num_envs=num_envs, **kwargs)
+        self.terminate_on_success = bool(cfg.get("terminate_on_success", False))
         self.camera = cfg.get("camera")
         self.state_key = cfg.get("state_key", "state")
         instr = cfg.get("instruction")
@@ -224,6 +231,7 @@ class ManiSkillEnv:
         obs = self._convert(raw)
         self._ep_return = torch.zeros(self.num_envs, dtype=torch.float64, device=obs.device)
         self._ep_len = torch.zeros(self.num_envs, dtype=torch.int64, device=obs.device)
+        self._solved = torch.zeros(self.num_envs, dtype=torch.bool, device=obs.device)
         return obs
 
     def step(self, action: torch.Tensor) -> StepResult:
@@ -233,6 +241,12 @@ class ManiSkillEnv:
         raw, reward, terminated, truncated, info = self.sim.step(a.to(self.device))
         reward = reward.reshape(self.num_envs).float()
         terminated = terminated.reshape(self.num_envs).bool()
+        success = info["success"].reshape(self.num_envs).bool() if "success" in info else None
+        if not self.terminate_on_success:   # run to the time limit; only a failure ends an episode early
+            terminated = info["fail"].reshape(self.num_envs).bool() if "fail" in info else torch.zeros_like(terminated)
+            if success is not None:
+                self._solved |= success.to(self._solved.device)
+                success = self._solved.clone()
         truncated = truncated.reshape(self.num_envs).bool() & ~terminated
         final_obs = self._convert(raw)
         self._ep_return += reward.double()
@@ -243,9 +257,10 @@ class ManiSkillEnv:
         if bool(done.any()):
             idx = done.nonzero().flatten()
             returns, lengths = self._ep_return[idx].tolist(), self._ep_len[idx].tolist()
-            if "success" in info:
-                successes = info["success"].reshape(self.num_envs)[idx].bool().tolist()
+            if success is not None:
+                successes = success[idx.to(success.device)].tolist()
             self._ep_return[idx] = 0.0
+            self._solved[idx] = False
             self._ep_len[idx] = 0
             raw_reset, _ = self.sim.reset(options={"env_idx": idx.to(self.device)})
             obs = final_obs.clone()
