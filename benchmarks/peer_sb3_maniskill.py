@@ -52,9 +52,19 @@ def main() -> None:
     kwargs = dict(obs_mode="state", control_mode=env_cfg["control_mode"],
                   reward_mode=env_cfg.get("reward_mode", "normalized_dense"), sim_backend="physx_cpu")
 
+    class Renamed(gym.Wrapper):
+        """ManiSkill's metrics under info["metrics"]: SB3 reads info["episode"] as its own."""
+        def step(self, action):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            info["metrics"] = info.pop("episode")
+            return obs, reward, terminated, truncated, info
+
     def factory(seed: int):
         def make():
-            env = CPUGymWrapper(gym.make(task, num_envs=1, **kwargs))
+            # Tandem's episodes run to the time limit unless terminate_on_success: the same here
+            env = CPUGymWrapper(gym.make(task, num_envs=1, **kwargs), record_metrics=True,
+                                ignore_terminations=not env_cfg.get("terminate_on_success", False))
+            env = Renamed(env)
             env.reset(seed=seed)
             return env
         return make
@@ -82,7 +92,7 @@ def main() -> None:
             action, _ = model.predict(obs, deterministic=True)
             obs, _, dones, infos = eval_env.step(action)
             for i in np.flatnonzero(dones):
-                successes.append(bool(infos[i].get("success", False)))
+                successes.append(bool(infos[i]["metrics"]["success_once"]))   # as Tandem counts it
             done_once |= dones
         return float(np.mean(successes[:episodes]))
 
