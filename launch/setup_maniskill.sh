@@ -17,9 +17,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=launch/_env.sh
 source "$ROOT/launch/_env.sh"
+t0=$SECONDS
 tandem_python "$ROOT" "maniskill" mani_skill sapien
 VK="${TANDEM_VULKAN_DIR:-$ROOT/.vulkan}"
-t0=$SECONDS
 
 check() {  # builds and steps a ManiSkill task; quiet unless it fails
   (cd "$ROOT" && timeout 300 "$PY" - <<'PYEOF'
