@@ -105,7 +105,10 @@ def test_rgb_observations_with_an_instruction():
 @pytest.mark.parametrize("cfg, match", [({"obs_modes": "state"}, "unknown env.cfg key"),
                                         ({"obs_mode": "pointcloud"}, "obs_mode"),
                                         ({"sim_backend": "warp"}, "sim_backend"),
-                                        ({"instruction": "pick"}, "instruction")])
+                                        ({"instruction": "pick"}, "instruction"),
+                                        ({"image_size": 3}, "image_size"),
+                                        ({"state_key": "rgb"}, "state_key"),
+                                        ({"sim_kwargs": [1]}, "sim_kwargs")])
 def test_config_errors_name_the_key(cfg, match):
     with pytest.raises(ValueError, match=match):
         make(1, **cfg)

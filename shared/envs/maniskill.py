@@ -153,7 +153,6 @@ class ManiSkillEnv:
         unknown = sorted(set(cfg) - _KEYS)
         if unknown:
             raise ValueError(f"maniskill/{task}: unknown env.cfg key(s) {unknown}; allowed: {sorted(_KEYS)}")
-        gym, _ = import_maniskill()
         self.task, self.num_envs = task, num_envs
         self.obs_mode = cfg.get("obs_mode", "state")
         if self.obs_mode not in ("state", "rgb"):
@@ -162,12 +161,26 @@ class ManiSkillEnv:
         backend = cfg.get("sim_backend", "physx_cuda" if want.type == "cuda" else "physx_cpu")
         if backend not in ("physx_cpu", "physx_cuda"):
             raise ValueError(f"maniskill/{task}: env.cfg.sim_backend={backend!r}; choose 'physx_cpu' or 'physx_cuda'")
+        instr = cfg.get("instruction")
+        if instr is not None and not (isinstance(instr, list) and instr and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in instr)):
+            raise ValueError(f"maniskill/{task}: env.cfg.instruction must be a non-empty list of token ids, "
+                             f"got {instr!r}")
+        size = cfg.get("image_size")
+        if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and 8 <= size <= 4096):
+            raise ValueError(f"maniskill/{task}: env.cfg.image_size={size!r} must be an integer in [8, 4096]")
+        if not isinstance(cfg.get("sim_kwargs", {}), dict):
+            raise ValueError(f"maniskill/{task}: env.cfg.sim_kwargs must be an object, got {cfg['sim_kwargs']!r}")
+        if cfg.get("state_key", "state") in ("rgb", "instruction") or not isinstance(cfg.get("state_key", "state"), str):
+            raise ValueError(f"maniskill/{task}: env.cfg.state_key={cfg['state_key']!r} must be a name other than "
+                             "'rgb' and 'instruction'")
+        gym, _ = import_maniskill()
         kwargs = dict(obs_mode=self.obs_mode, reward_mode=cfg.get("reward_mode", "normalized_dense"),
                       sim_backend=backend, **cfg.get("sim_kwargs", {}))
         if cfg.get("control_mode") is not None:
             kwargs["control_mode"] = cfg["control_mode"]
-        if "image_size" in cfg:
-            kwargs["sensor_configs"] = dict(width=int(cfg["image_size"]), height=int(cfg["image_size"]))
+        if size is not None:
+            kwargs["sensor_configs"] = dict(width=size, height=size)
         try:
             registered = gym.spec(task).max_episode_steps
         except gym.error.Error as e:
@@ -182,11 +195,6 @@ class ManiSkillEnv:
         self.terminate_on_success = bool(cfg.get("terminate_on_success", False))
         self.camera = cfg.get("camera")
         self.state_key = cfg.get("state_key", "state")
-        instr = cfg.get("instruction")
-        if instr is not None and not (isinstance(instr, list) and instr and all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in instr)):
-            raise ValueError(f"maniskill/{task}: env.cfg.instruction must be a non-empty list of token ids, "
-                             f"got {instr!r}")
         self.instruction = None if instr is None else torch.tensor(instr, dtype=torch.int64)
         obs = self.reset(seed=0)
         self.device = obs.device
@@ -200,6 +208,8 @@ class ManiSkillEnv:
             max_episode_steps=self.max_episode_steps,
             obs_keys={} if self.obs_mode == "state" else {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()},
             extra={"maniskill_task": task, "control_mode": self.control_mode, "sim_backend": backend})
+        self._low = torch.tensor(self.spec.action.low, device=self.device)
+        self._high = torch.tensor(self.spec.action.high, device=self.device)
 
     # ------------------------------------------------------------------ observations
     def _convert(self, raw):
@@ -235,10 +245,8 @@ class ManiSkillEnv:
         return obs
 
     def step(self, action: torch.Tensor) -> StepResult:
-        low = torch.tensor(self.spec.action.low, device=action.device)
-        high = torch.tensor(self.spec.action.high, device=action.device)
-        a = action.reshape(self.num_envs, -1).float().clamp(low, high)
-        raw, reward, terminated, truncated, info = self.sim.step(a.to(self.device))
+        a = action.to(self.device).reshape(self.num_envs, -1).float().clamp(self._low, self._high)
+        raw, reward, terminated, truncated, info = self.sim.step(a)
         reward = reward.reshape(self.num_envs).float()
         terminated = terminated.reshape(self.num_envs).bool()
         success = info["success"].reshape(self.num_envs).bool() if "success" in info else None
