@@ -19,11 +19,11 @@ import torch
 import zmq
 from tensordict import TensorDictBase
 
-from actors.rollout import Collector
+from actors.rollout import Collector, sends_bootstrap_obs
 from shared import wire
 from shared.config import Config
 from shared.envs import make_env
-from shared.policies import frozen_digest, make_policy
+from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
@@ -63,7 +63,8 @@ class Actor:
         slow = not cfg.actors.slow_actor_ids or actor_id in cfg.actors.slow_actor_ids
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=seed,
                                    step_delay_s=cfg.actors.slowdown_s if slow else 0.0,
-                                   inference_latency_s=cfg.actors.inference_latency_s)
+                                   inference_latency_s=cfg.actors.inference_latency_s,
+                                   bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
         self.version = -1          # no weights yet
         self.seq = 0
         self._trackers: list[zmq.MessageTracker | None] = [None, None]

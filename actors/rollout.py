@@ -20,21 +20,34 @@ from shared import keys
 from shared.envs.base import BatchedEnv, EnvSpec
 
 
+def sends_bootstrap_obs(cfg, with_value: bool) -> bool:
+    """Whether this run's rollouts carry ``bootstrap_observation`` (``shared/keys.py``): PPO with a
+    critic in vla mode, unless the config says never to recompute values. Only there can a sample
+    be stale, and only there does the learner recompute bootstrap values. It costs up to a second
+    copy of the observations on the wire (zeros where no bootstrap is needed)."""
+    return (with_value and cfg.algorithm.name == "ppo" and cfg.trainer.buffer_type != "standard"
+            and cfg.algorithm.cfg.recompute_values is not False)
+
+
 def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch.device | str = "cpu",
-                     pin_memory: bool = False, with_value: bool = True) -> TensorDict:
+                     pin_memory: bool = False, with_value: bool = True,
+                     with_bootstrap_obs: bool = False) -> TensorDict:
     """An all-zero rollout ``[N, T]``: the schema actors fill and the learner expects.
-    Without a critic (``with_value=False``) there is no ``value`` and no ``next_value``."""
+    Without a critic (``with_value=False``) there is no ``value`` and no ``next_value``; with
+    `with_bootstrap_obs` (:func:`sends_bootstrap_obs`) there is a ``bootstrap_observation``."""
     n, t = num_envs, num_steps
     act = spec.action
     act_shape = act.shape
     act_dtype = torch.int64 if act.kind == "discrete" else torch.float32
-    if spec.multimodal:
-        obs = TensorDict({k: torch.zeros(n, t, *shape, dtype=dtype, device=device)
-                          for k, (shape, dtype) in spec.obs_keys.items()}, batch_size=[n, t])
-    else:
-        obs = torch.zeros(n, t, *spec.obs_shape, dtype=spec.obs_dtype, device=device)
+
+    def zero_obs():
+        if spec.multimodal:
+            return TensorDict({k: torch.zeros(n, t, *shape, dtype=dtype, device=device)
+                               for k, (shape, dtype) in spec.obs_keys.items()}, batch_size=[n, t])
+        return torch.zeros(n, t, *spec.obs_shape, dtype=spec.obs_dtype, device=device)
+
     tensors = {
-        keys.OBS: obs,
+        keys.OBS: zero_obs(),
         keys.ACTION: torch.zeros(n, t, *act_shape, dtype=act_dtype, device=device),
         keys.LOG_PROB: torch.zeros(n, t, device=device),
         keys.VALUE: torch.zeros(n, t, device=device),
@@ -47,6 +60,8 @@ def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch
     }
     if not with_value:
         del tensors[keys.VALUE], tensors[keys.NEXT_VALUE]
+    if with_bootstrap_obs:
+        tensors[keys.BOOTSTRAP_OBS] = zero_obs()
     if pin_memory:
         tensors = {k: v.pin_memory() for k, v in tensors.items()}
     return TensorDict(tensors, batch_size=[n, t])
@@ -75,16 +90,20 @@ class Collector:
     """
 
     def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
-                 num_buffers: int = 2, step_delay_s: float = 0.0, inference_latency_s: float = 0.0):
+                 num_buffers: int = 2, step_delay_s: float = 0.0, inference_latency_s: float = 0.0,
+                 bootstrap_obs: bool = False):
         self.env, self.policy, self.num_steps = env, policy, num_steps
         # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
         self.device = next(policy.parameters()).device
         pin = self.device.type == "cuda"
         self.with_value = getattr(policy, "critic", None) is not None
+        self.bootstrap_obs = bootstrap_obs and self.with_value
         self._host = [rollout_template(env.spec, env.num_envs, num_steps, "cpu", pin_memory=pin,
-                                       with_value=self.with_value) for _ in range(num_buffers)]
-        self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device, with_value=self.with_value)
+                                       with_value=self.with_value, with_bootstrap_obs=self.bootstrap_obs)
+                      for _ in range(num_buffers)]
+        self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device, with_value=self.with_value,
+                                      with_bootstrap_obs=self.bootstrap_obs)
                      if self.device.type != "cpu" else None)
         self._next = 0
         self.step_delay_s = step_delay_s
@@ -120,6 +139,9 @@ class Collector:
         nval_b = out[keys.NEXT_VALUE] if self.with_value else None
         if nval_b is not None:
             nval_b.zero_()
+        boot_b = out[keys.BOOTSTRAP_OBS] if self.bootstrap_obs else None
+        if boot_b is not None:
+            boot_b.zero_()
         stats = RolloutStats()
         n = self.env.num_envs
         for t in range(self.num_steps):
@@ -160,6 +182,8 @@ class Collector:
                     # observation the env returned: that one belongs to the next episode.
                     final = TensorDict({keys.OBS: step.final_obs[trunc]}, batch_size=[int(trunc.sum())])
                     nval_b[trunc, t] = self.policy.get_value(final)
+                    if boot_b is not None:
+                        boot_b[trunc, t] = step.final_obs[trunc]
             self.obs = step.obs
         # V(s_{t+1}) for steps that did not end an episode: the next step's value, and for the
         # last step the value of the observation after it.
@@ -169,6 +193,9 @@ class Collector:
             last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
             following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
             nval_b.copy_(torch.where(done_b, nval_b, following))
+        if boot_b is not None:   # the observation after the last step, where that step did not end an episode
+            open_end = ~done_b[:, -1]
+            boot_b[open_end, -1] = self.obs[open_end]
         out[keys.POLICY_VERSION].fill_(version)
         if self._dev is not None:
             self._host[idx].update_(out, non_blocking=True)

@@ -217,7 +217,7 @@ def run_thread_variant(args) -> Result:
     import torch
     from torch import nn
 
-    from actors.rollout import Collector
+    from actors.rollout import Collector, sends_bootstrap_obs
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher
     from shared.config import load_config
@@ -258,7 +258,8 @@ def run_thread_variant(args) -> Result:
     torch.manual_seed(seed)
     env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, cfg.learner.device)
     collector = Collector(env, LockedPolicy(learner.policy), cfg.trainer.buffer_size, seed=seed,
-                          inference_latency_s=0.0)   # the wrapper sleeps, under the lock
+                          inference_latency_s=0.0,   # the wrapper sleeps, under the lock
+                          bootstrap_obs=sends_bootstrap_obs(cfg, True))
     stop = threading.Event()
     errors: list[Exception] = []
     times: dict[str, float] = {}

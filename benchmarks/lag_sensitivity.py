@@ -75,12 +75,12 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     default). Either way every rollout of update u is acted by version ``max(0, u - lag)``."""
     import torch
 
-    from actors.rollout import Collector
+    from actors.rollout import Collector, sends_bootstrap_obs
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher
     from shared.config import load_config
     from shared.envs import make_env
-    from shared.policies import load_weights_, make_policy
+    from shared.policies import has_critic, load_weights_, make_policy
 
     samples = num_envs * buffer_size
     if per_update not in ("one", "actors"):
@@ -113,7 +113,8 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
         torch.manual_seed(s)
         env = make_env(cfg.env.id, num_envs, cfg.env.cfg, "cpu")
         policy = make_policy(cfg, env.spec).eval()
-        collectors.append((env, policy, Collector(env, policy, rollout_steps, seed=s)))
+        collectors.append((env, policy, Collector(env, policy, rollout_steps, seed=s,
+                                                  bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(policy)))))
     lags, seqs, u = [], [0] * actors, 0
     try:
         while not learner.finished:

@@ -158,12 +158,13 @@ def worker_main(phase: str, config: str, overrides: list[str], idx: int, steps: 
             def work():
                 env.step(_random_action(env.spec, n, env.device))
         else:
-            from actors.rollout import Collector
-            from shared.policies import make_policy
+            from actors.rollout import Collector, sends_bootstrap_obs
+            from shared.policies import has_critic, make_policy
             policy = make_policy(cfg, env.spec).to(env.device).eval()
             slow = not cfg.actors.slow_actor_ids or idx in cfg.actors.slow_actor_ids   # as Actor does
             collector = Collector(env, policy, cfg.trainer.buffer_size, seed=seed,
-                                  step_delay_s=cfg.actors.slowdown_s if slow else 0.0)
+                                  step_delay_s=cfg.actors.slowdown_s if slow else 0.0,
+                                  bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(policy)))
             per_call = n * cfg.trainer.buffer_size
 
             def work():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from actors.rollout import rollout_template
+from actors.rollout import rollout_template, sends_bootstrap_obs
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
 from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -38,7 +38,7 @@ from learner.grpo import MASK, grpo_advantages, grpo_update
 from learner.logs import RunLogger, fmt_num
 from learner.minibatch import log_ratio
 from learner.ppo import ppo_update
-from learner.vtrace import current_values, vtrace
+from learner.vtrace import EWMAProximal, bootstrap_mask, current_values, ewma_decay_for, vtrace
 from shared import keys
 from shared.shm_weights import ShmWeightsWriter, default_path
 
@@ -123,6 +123,12 @@ class Learner:
         self.optimizer = make_optimizer(self.policy, self.algo.learning_rate, self.algo.adam_eps)
         self.generator = torch.Generator().manual_seed(t.seed)
         self.grpo = cfg.algorithm.name == "grpo"
+        self.ewma = None   # the ewma correction's proximal policy (learner/vtrace.py)
+        if not self.grpo and self.algo.correction == "ewma":
+            samples = self.k * cfg.actors.num_envs * t.buffer_size
+            steps = self.algo.n_epochs * math.ceil(samples / self.algo.batch_size)
+            decay = self.algo.ewma_decay if self.algo.ewma_decay is not None else ewma_decay_for(steps)
+            self.ewma = EWMAProximal(self.policy, decay)
         # GRPO's KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
         self.ref_policy = None
         if self.grpo and self.algo.kl_coef > 0:
@@ -134,7 +140,8 @@ class Learner:
             raise ValueError(f"{cfg.source}: PPO needs a value estimate, and this {cfg.policy.name!r} policy has "
                              f"none (give the VLA model a value(obs) head, or use algorithm.name \"grpo\")")
         self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size,
-                                         with_value=has_critic(self.policy))
+                                         with_value=has_critic(self.policy),
+                                         with_bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
         capacity = max(t.buffer_capacity, self.k) if not self.standard else 2 * self.k
         self.buffer = CircularBuffer(capacity, self.template)
         self._pending: list[tuple[TensorDictBase, dict]] = []   # taken, waiting for the rest of a batch
@@ -346,41 +353,81 @@ class Learner:
         self.policy.train()
         return torch.cat(logps).view(flat.shape), torch.cat(values).view(flat.shape)
 
-    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor, stale: bool) -> dict[str, float]:
+    def _bootstrap_values(self, flat: TensorDictBase) -> torch.Tensor | None:
+        """The current critic on ``bootstrap_observation`` ``[B, T]``, evaluated only where a
+        bootstrap is needed (zeros elsewhere); None when the rollouts carry no such observation."""
+        if keys.BOOTSTRAP_OBS not in flat.keys():
+            return None
+        need = bootstrap_mask(flat[keys.TERMINATED], flat[keys.DONE])
+        out = torch.zeros(flat.shape, device=self.device)
+        if bool(need.any()):
+            self.policy.eval()
+            with torch.no_grad():
+                obs = flat[keys.BOOTSTRAP_OBS][need]
+                out[need] = self.policy.get_value(TensorDict({keys.OBS: obs}, batch_size=[int(need.sum())]))
+            self.policy.train()
+        return out
+
+    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor, stale: bool
+                                ) -> tuple[dict[str, float], bool]:
         """Set advantages and value targets on `flat` ``[B, T]`` with the configured off-policy
         correction (``learner/vtrace.py``); `stale`: some samples were acted by an older version.
-        Returns diagnostics for the log."""
+        Returns diagnostics for the log, and whether PPO should still normalise advantages per
+        minibatch (plain PPO) or not (a correction normalised them once, before weighting)."""
         a = self.algo
         value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
         terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
         # stale samples carry a stale critic's values: recompute them (by default)
         recompute = stale if a.recompute_values is None else a.recompute_values
-        if a.correction == "none" and not recompute:
+        corr = a.correction
+        if corr == "none" and not recompute:
             adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
             flat.set(keys.ADVANTAGE, adv)
             flat.set(keys.VALUE_TARGET, target)
-            return {}
+            return {}, True
+        out: dict[str, float] = {}
         logp_now, value_now = self._evaluate_now(flat)
-        next_now = current_values(value_now, next_value, done)
-        out = {"value_shift": float((value_now - value).abs().mean())}
-        if a.correction == "vtrace":
-            target, adv, rho = vtrace(flat[keys.LOG_PROB], logp_now, reward, value_now, next_now, terminated, done,
-                                      a.gamma, a.rho_bar, a.c_bar,
-                                      a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda)
+        if recompute:
+            boot = self._bootstrap_values(flat)
+            next_now = current_values(value_now, next_value, done, boot, terminated)
+            out["value_shift"] = float((value_now - value).abs().mean())
+            if boot is not None:
+                need = bootstrap_mask(terminated, done)
+                out["bootstrap_shift"] = float((boot - next_value)[need].abs().mean()) if bool(need.any()) else 0.0
+        else:
+            value_now, next_now = value, next_value
+        mu = flat[keys.LOG_PROB]
+        rho = log_ratio(logp_now, mu).exp()
+        rho_bar = a.rho_bar_for()
+        if corr in ("vtrace", "appo"):
+            lam = a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda
+            target, adv, _ = vtrace(mu, logp_now, reward, value_now, next_now, terminated, done, a.gamma, rho_bar,
+                                    a.c_bar, lam, weighted=False)
         else:
             adv, target = compute_gae(reward, value_now, next_now, terminated, done, a.gamma, a.gae_lambda)
-            rho = log_ratio(logp_now, flat[keys.LOG_PROB]).exp()
-            if a.correction == "is":
-                adv = adv * rho.clamp(max=a.rho_bar)
-        flat.set(keys.ADVANTAGE, adv)
         flat.set(keys.VALUE_TARGET, target)
-        flat.set(keys.VALUE, value_now)          # value clipping (clip_vloss) around the current critic
-        if a.correction != "none":
+        flat.set(keys.VALUE, value_now)          # value clipping (clip_vloss) around the critic the targets used
+        if corr == "none":
+            flat.set(keys.ADVANTAGE, adv)
+            return out, True
+        if a.norm_adv and adv.numel() > 1:       # once per batch, before any importance weight
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        if corr != "ewma":                       # ewma weights per minibatch, against its moving average
+            adv = adv * rho.clamp(max=rho_bar)
+        flat.set(keys.ADVANTAGE, adv)
+        if corr in ("is", "vtrace", "mask"):
             # Decoupled PPO: clip the ratio against the policy at the start of this update.
             flat.set(keys.LOG_PROB, logp_now)
+        if corr == "mask":
+            keep = (rho >= 1.0 / a.mask_threshold) & (rho <= a.mask_threshold)
+            flat.set(MASK, keep)
+            masked = int((~keep).sum())
+            with self._lock:
+                self.counts["masked_samples"] = self.counts.get("masked_samples", 0) + masked
+            out["masked_frac"] = masked / keep.numel()
         out.update({"rho_mean": float(rho.mean()), "rho_max": float(rho.max()),
-                    "rho_clipped_frac": float((rho > a.rho_bar).float().mean())})
-        return out
+                    "rho_clipped_frac": float((rho > rho_bar).float().mean())})
+        return out, False
 
     def update_once(self, data: TensorDictBase, infos: list[dict], reward_std: float | None = None
                     ) -> dict[str, float]:
@@ -415,9 +462,9 @@ class Learner:
             reward = flat[keys.REWARD]
             if self.reward_scaler is not None:
                 reward = self.reward_scaler.scale_by(reward, reward_std)
-            correction_stats = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
+            correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
             stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
-                               sync_mean=self._sync_mean)
+                               sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma)
             stats.update(correction_stats)
         self._note_skips(stats)
         # Normaliser statistics move after the update, so every epoch above saw the same
@@ -469,7 +516,8 @@ class Learner:
                  "clip_frac": "clip_frac", "grad_norm": "grad_norm", "explained_variance": "explained_variance",
                  "epochs": "epochs", "kl_ref": "kl_ref", "samples": "samples", "skipped_steps": "skipped_steps"}
         values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
-        values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift")
+        values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift",
+                                                             "bootstrap_shift", "masked_frac", "prox_weight_mean")
                        if k in stats})
         values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
@@ -501,6 +549,8 @@ class Learner:
                        "buffer/overwritten": counts["overwritten"], "wire/malformed": counts["malformed"],
                        "wire/rejected": counts["rejected"], "train/skipped_steps_total": counts["skipped_steps"],
                        "train/failed_updates": counts["failed_updates"]})
+        if "masked_samples" in counts:
+            values["offpolicy/masked_samples_total"] = counts["masked_samples"]
         if self.curve is not None:
             values["wire/auth_refused"] = self.curve.refused
         self._wait_s = 0.0
@@ -560,6 +610,7 @@ class Learner:
                 "torch_rng": torch.get_rng_state(), "counts": dict(self.counts),
                 "reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
                 "ref_policy": self.ref_policy.state_dict() if self.ref_policy is not None else None,
+                "ewma": self.ewma.state_dict() if self.ewma is not None else None,
                 "next_save": self.next_save}
 
     def save(self) -> Path | None:
@@ -592,6 +643,11 @@ class Learner:
         self.next_save = state["next_save"]
         if self.ref_policy is not None and state.get("ref_policy") is not None:
             self.ref_policy.load_state_dict(state["ref_policy"])
+        if self.ewma is not None:
+            if state.get("ewma") is not None:
+                self.ewma.load_state_dict(state["ewma"])
+            else:   # a checkpoint from a run without ewma: the average starts at the resumed weights
+                self.ewma = EWMAProximal(self.policy, self.ewma.decay)
         if self.reward_scaler is not None and state["reward_scaler"] is not None:
             self.reward_scaler.load_state_dict(state["reward_scaler"])
         self.resumed_from = found[-1]

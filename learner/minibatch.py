@@ -26,7 +26,8 @@ def log_ratio(new_log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.T
 def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, torch.Tensor],
                loss_fn: LossFn, n_epochs: int, batch_size: int, max_grad_norm: float,
                target_kl: float | None, generator: torch.Generator,
-               sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+               sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               after_step: Callable[[], None] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -35,7 +36,7 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     ``grad_norm``, ``epochs`` (fewer than `n_epochs` when `target_kl` stopped the update early),
     ``steps`` (optimiser steps taken) and ``skipped_steps``: a minibatch whose loss or gradient norm
     is not finite takes no optimiser step (the weights and Adam's moments stay as they were) and
-    is left out of the means. With DDP the gradients are all-reduced in ``backward``, so every rank
+    is left out of the means. `after_step` runs after every optimiser step taken. With DDP the gradients are all-reduced in ``backward``, so every rank
     sees the same norm and skips the same steps.
     """
     n = next(iter(fields.values())).shape[0]
@@ -62,6 +63,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                 skipped += 1
                 continue
             optimizer.step()
+            if after_step is not None:
+                after_step()
             for k, v in out.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
             epoch_kl.append(out["approx_kl"])

@@ -7,52 +7,87 @@ order comes from the learner's own ``torch.Generator``, so an update is a pure f
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from learner.grpo import MASK
 from learner.minibatch import log_ratio as clamped_log_ratio, run_epochs
+from learner.vtrace import EWMAProximal
 from shared import keys
 from shared.config import PPOConfig
 
 
-def ppo_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig) -> dict[str, torch.Tensor]:
-    """Losses and diagnostics on one minibatch ``[B]``. Keys starting with ``loss_`` are summed."""
-    new_logp, entropy, new_value = policy.evaluate_actions(mb)
-    log_ratio = clamped_log_ratio(new_logp, mb[keys.LOG_PROB])
-    ratio = log_ratio.exp()
+def _mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean over the samples the mask keeps (all without one); a dropped sample's term is
+    replaced by 0 with ``where`` (not multiplied), so even a NaN there gives no gradient."""
+    if mask is None:
+        return x.mean()
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
+
+
+def ppo_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig, renormalize: bool = True,
+             proximal: Callable[[TensorDictBase], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Losses and diagnostics on one minibatch ``[B]``. Keys starting with ``loss_`` are summed.
+
+    `renormalize`: normalise the advantages over this minibatch (plain PPO; the off-policy
+    corrections normalise once per batch instead). `proximal` (the ``ewma`` correction): the
+    proximal policy's log-prob of the minibatch's actions; the clip is then centred on it and each
+    advantage weighted by ``min(rho_bar, pi_prox / mu)``. A ``mask`` in the minibatch drops samples.
+    """
+    anchor = mb[keys.LOG_PROB]
     adv = mb[keys.ADVANTAGE]
-    if cfg.norm_adv and adv.numel() > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-    pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+    out: dict[str, torch.Tensor] = {}
+    if proximal is not None:   # before the live forward pass: no autograd graph exists yet
+        prox = proximal(mb)
+        weight = clamped_log_ratio(prox, mb[keys.LOG_PROB]).exp().clamp(max=cfg.rho_bar_for())
+        adv, anchor = adv * weight, prox
+        out["prox_weight_mean"] = weight.mean()
+    mask = mb.get(MASK, None)
     target = mb[keys.VALUE_TARGET]
+    if mask is not None:   # a dropped sample's inputs must not reach the graph either (NaN x 0 = NaN)
+        adv = torch.where(mask, adv, torch.zeros_like(adv))
+        target = torch.where(mask, target, torch.zeros_like(target))
+    new_logp, entropy, new_value = policy.evaluate_actions(mb)
+    log_ratio = clamped_log_ratio(new_logp, anchor)
+    ratio = log_ratio.exp()
+    if renormalize and cfg.norm_adv and adv.numel() > 1:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    pg_loss = _mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)), mask)
     if cfg.clip_vloss:
         old_value = mb[keys.VALUE]
         clipped = old_value + (new_value - old_value).clamp(-cfg.clip_coef, cfg.clip_coef)
-        v_loss = 0.5 * torch.max((new_value - target) ** 2, (clipped - target) ** 2).mean()
+        v_loss = 0.5 * _mean(torch.max((new_value - target) ** 2, (clipped - target) ** 2), mask)
     else:
-        v_loss = 0.5 * ((new_value - target) ** 2).mean()
-    ent = entropy.mean()
+        v_loss = 0.5 * _mean((new_value - target) ** 2, mask)
+    ent = _mean(entropy, mask)
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_ratio).mean()          # Schulman's k3 estimator
-        clip_frac = ((ratio - 1).abs() > cfg.clip_coef).float().mean()
-    return {"loss_policy": pg_loss, "loss_value": cfg.vf_coef * v_loss, "loss_entropy": -cfg.ent_coef * ent,
-            "value_loss": v_loss.detach(), "entropy": ent.detach(), "approx_kl": approx_kl,
-            "clip_frac": clip_frac}
+        approx_kl = _mean((ratio - 1) - log_ratio, mask)          # Schulman's k3 estimator
+        clip_frac = _mean(((ratio - 1).abs() > cfg.clip_coef).float(), mask)
+    out.update({"loss_policy": pg_loss, "loss_value": cfg.vf_coef * v_loss, "loss_entropy": -cfg.ent_coef * ent,
+                "value_loss": v_loss.detach(), "entropy": ent.detach(), "approx_kl": approx_kl,
+                "clip_frac": clip_frac})
+    return out
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, cfg: PPOConfig,
-               generator: torch.Generator, sync_mean=None) -> dict[str, float]:
+               generator: torch.Generator, sync_mean=None, renormalize: bool = True,
+               proximal: EWMAProximal | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
     minibatches, plus ``epochs`` (fewer than ``n_epochs`` when ``target_kl`` stopped early).
+    `renormalize` and `proximal`: see :func:`ppo_loss`; the EWMA moves after every optimiser step.
     """
     b = batch.reshape(-1)
     fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
-                                    keys.VALUE_TARGET)}
-    result = run_epochs(policy, optimizer, fields, lambda mb: ppo_loss(policy, mb, cfg), cfg.n_epochs,
-                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean)
+                                    keys.VALUE_TARGET, MASK) if k in b.keys()}
+    prox_fn = proximal.log_prob if proximal is not None else None
+    result = run_epochs(policy, optimizer, fields, lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn),
+                        cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean,
+                        after_step=proximal.step if proximal is not None else None)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

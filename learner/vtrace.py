@@ -1,37 +1,57 @@
-"""Off-policy corrections for stale rollouts: truncated importance weights and V-trace.
+"""Off-policy corrections for stale rollouts: what the learner does with data acted by older weights.
 
 In ``vla`` mode an actor acts with weights that are already ``lag`` versions old when the learner
-trains on its data. ``algorithm.cfg.correction`` picks what the learner does about it:
+trains on its data. ``algorithm.cfg.correction`` picks what the learner does about it. Every
+correction but ``none`` normalises the advantages once over the whole batch *before* any importance
+weight (and not again per minibatch): normalising weighted advantages leaves a term
+``mean x E_mu[grad log pi]`` in the gradient that is not zero when the ratio is taken against the
+proximal policy, and it pushed Pendulum's ``log_std`` down at a lag of 1. ``rho_bar`` (the
+importance-weight truncation) defaults per correction: 100 for ``is``, ``ewma`` and ``mask``
+(Hilton et al.'s reference code), 1 for ``vtrace`` and ``appo`` (IMPALA, Sample Factory).
 
 ``none``
-    Plain PPO: the clipped ratio is taken against the behaviour log-prob (the policy that acted),
-    advantages are GAE on the values the actor computed. Right for on-policy data (``standard``
-    mode) and for small lags (about 1-2 versions), where PPO's ratio already is the importance weight.
+    Plain PPO: the clipped ratio pi/mu is taken against the behaviour log-prob mu (the policy that
+    acted), GAE on the values, advantages normalised per minibatch (CleanRL). Use for on-policy data
+    (``standard`` mode) and for lags of about 1, where PPO's ratio already is the importance weight.
 ``is``
-    Decoupled PPO (Hilton et al., 2021): the trust region is centred on the *current* policy at the
-    start of the update (the "proximal" policy), and each sample's advantage is weighted by the
-    truncated importance weight ``min(rho_bar, pi_prox / mu)``. With stale data, plain PPO's clip
-    range is centred on an old policy that the current one may already be outside of: the gradient
-    vanishes for those samples, or pushes the wrong way. Use for moderate lags.
+    Decoupled PPO (Hilton et al., 2021): the trust region is centred on the policy at the start of
+    the update (the "proximal" policy pi_prox), and each sample's advantage is weighted by
+    ``min(rho_bar, pi_prox / mu)``. With stale data, plain PPO's clip range is centred on an old
+    policy that the current one may already be outside of: the gradient vanishes for those samples,
+    or pushes the wrong way. Use for moderate lags (a few versions).
 ``vtrace``
-    IMPALA's V-trace (Espeholt et al., 2018) on top of ``is``: the current critic recomputes V(s),
-    the value targets are the V-trace targets ``v_s`` and the advantages
-    ``rho_s (r_s + gamma v_{s+1} - V(s_s))``. Corrects the value targets too, which GAE on stale
-    data does not: use for large lags (many versions), or whenever the critic matters.
+    ``is`` with IMPALA's V-trace (Espeholt et al., 2018): value targets ``v_s`` and advantages
+    ``min(rho_bar, rho_s) (r_s + gamma v_{s+1} - V(s_s))``, traces cut by ``c = lambda min(c_bar, rho)``.
+    Corrects the value targets too, which GAE on stale data does not: use for large lags, or
+    whenever the critic's targets matter more than the trust region.
+``appo``
+    Sample Factory's APPO (Petrenko et al., 2020): PPO's clip on pi/mu, anchored on the behaviour
+    policy as in plain PPO, with V-trace value targets and rho-truncated V-trace advantages. The
+    clip then also bounds how far an update moves from what acted; use when lags are large and
+    uneven (several actors at different speeds), the setting Sample Factory built it for.
+``ewma``
+    Decoupled PPO whose proximal policy is an exponential moving average of past weights (Hilton et
+    al., 2021, "Batch size-invariance for policy optimization"): clip against pi_ewma, weight by
+    ``min(rho_bar, pi_ewma / mu)``. The anchor moves smoothly after every optimiser step instead of
+    jumping once per update, so the trust region no longer depends on how much data one update
+    takes. Use when the batch per update is large (many actors) or the lag varies a lot.
+``mask``
+    ``is``, plus RLinf's behaviour-weight filter: samples with ``pi_prox / mu`` outside
+    ``[1 / mask_threshold, mask_threshold]`` take no part in the update (no gradient, counted in
+    ``offpolicy/masked_frac``). Use when a few very stale or very unlikely samples dominate the
+    update (large ``offpolicy/rho_max``), at the price of dropping their data.
 
-``recompute_values`` recomputes V(s) with the current critic before GAE for ``none`` / ``is``
-(fresh values for stale data, no importance weights in the targets).
-``trainer.max_policy_lag`` drops data older than that many versions before any of this.
-
-V(s_{t+1}) inside a rollout is the current critic's value of the next observation. Where the
-next observation is not in the rollout (after a truncated step, and after the rollout's last step)
-the bootstrap value is the one the actor sent (``next_value``, computed on the true final
-observation), since the observation itself is not sent.
+``recompute_values`` recomputes V(s) with the current critic before GAE or V-trace (fresh values
+for stale data), and with it every bootstrap value: inside a rollout the next step's value, and
+after a truncation or the rollout's last step the value of ``bootstrap_observation``, which
+vla-mode actors send (``actors/rollout.py``). ``trainer.max_policy_lag`` drops data older than that
+many versions before any of this.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from learner.minibatch import log_ratio
 
@@ -39,7 +59,7 @@ from learner.minibatch import log_ratio
 @torch.no_grad()
 def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, reward: torch.Tensor,
            value: torch.Tensor, next_value: torch.Tensor, terminated: torch.Tensor, done: torch.Tensor,
-           gamma: float, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0
+           gamma: float, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0, weighted: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """V-trace targets and policy-gradient advantages on ``[N, T]`` rollouts (time on the last axis).
 
@@ -55,6 +75,8 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
         gamma: discount.
         rho_bar, c_bar: truncation levels (``float("inf")``: none).
         lam: c_t = lam * min(c_bar, rho_t).
+        weighted: False returns the advantage without its ``min(rho_bar, rho_t)`` factor (the
+            learner normalises it first, then weights it).
 
     Returns:
         ``(vs, pg_advantage, rho)``: the V-trace targets ``v_s``, the advantages
@@ -81,15 +103,91 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
     # v_{t+1}: the next step's target inside an episode; the bootstrap value after a done or at the end.
     vs_next = torch.cat([vs[..., 1:], boot[..., -1:]], dim=-1)
     vs_next = torch.where(done.bool(), boot, vs_next)
-    pg_advantage = rho_t * (reward + gamma * vs_next - value)
-    return vs, pg_advantage, rho
+    pg_advantage = reward + gamma * vs_next - value
+    return vs, (rho_t * pg_advantage if weighted else pg_advantage), rho
 
 
 @torch.no_grad()
-def current_values(value_now: torch.Tensor, next_value_sent: torch.Tensor, done: torch.Tensor
+def bootstrap_mask(terminated: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    """``[N, T]``: the steps whose ``V(s_{t+1})`` is not the next step's value in the rollout and is
+    not zero: truncated steps (the final observation) and the last step unless it terminated."""
+    last = torch.zeros_like(done, dtype=torch.bool)
+    last[..., -1] = True
+    return ~terminated.bool() & (done.bool() | last)
+
+
+@torch.no_grad()
+def current_values(value_now: torch.Tensor, next_value_sent: torch.Tensor, done: torch.Tensor,
+                   bootstrap_now: torch.Tensor | None = None, terminated: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """``V(s_{t+1})`` from the current critic's ``V(s_t)`` on ``[N, T]``: the next step's value
-    inside the rollout, the actor's ``next_value`` after a done step and after the last step
-    (whose observation is not in the rollout)."""
+    inside the rollout. After a done step and after the last step (whose next observation is not in
+    the rollout): `bootstrap_now` (the current critic on ``bootstrap_observation``) where given
+    (with `terminated`, at :func:`bootstrap_mask`), else the actor's ``next_value``."""
     shifted = torch.cat([value_now[..., 1:], next_value_sent[..., -1:]], dim=-1)
-    return torch.where(done.bool(), next_value_sent, shifted)
+    out = torch.where(done.bool(), next_value_sent, shifted)
+    if bootstrap_now is not None:
+        out = torch.where(bootstrap_mask(terminated, done), bootstrap_now, out)
+    return out
+
+
+class _EvaluateActions(nn.Module):
+    """``policy.evaluate_actions`` as a module's forward, for ``torch.func.functional_call``."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, td):
+        return self.policy.evaluate_actions(td)[0]
+
+
+class EWMAProximal:
+    """The ``ewma`` correction's proximal policy: an exponential moving average of the trainable
+    weights, ``prox <- decay * prox + (1 - decay) * weights`` after every optimiser step.
+
+    Only the trainable tensors are averaged (a frozen VLA base is shared, never copied); the log-prob
+    under the averaged weights is the policy's own ``evaluate_actions`` run through
+    ``torch.func.functional_call``, so the live weights are never touched.
+    """
+
+    def __init__(self, policy: nn.Module, decay: float):
+        if not 0 <= decay < 1:
+            raise ValueError(f"EWMAProximal: decay must be in [0, 1), got {decay}")
+        self.policy, self.decay = policy, decay
+        self._wrapper = _EvaluateActions(policy)
+        self.tensors = {f"policy.{n}": p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+        self._live = {f"policy.{n}": p for n, p in policy.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Move the average towards the live weights (call after each optimiser step)."""
+        names = list(self.tensors)
+        torch._foreach_lerp_([self.tensors[n] for n in names], [self._live[n].detach() for n in names],
+                             1.0 - self.decay)
+
+    @torch.no_grad()
+    def log_prob(self, td) -> torch.Tensor:
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            return torch.func.functional_call(self._wrapper, self.tensors, (td,), strict=False)
+        finally:
+            self.policy.train(was_training)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.tensors.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.tensors):
+            raise ValueError(f"EWMAProximal: the saved average has tensors {sorted(set(state) ^ set(self.tensors))} "
+                             f"that this policy's trainable ones do not match")
+        for n, t in state.items():
+            self.tensors[n].copy_(t)
+
+
+def ewma_decay_for(steps_per_update: int) -> float:
+    """The default decay: the average's centre of mass ``decay / (1 - decay)`` steps back equals
+    the mean age of plain PPO's proximal policy over one update, half its optimiser steps."""
+    age = max(steps_per_update, 1) / 2
+    return age / (1 + age)

@@ -252,26 +252,46 @@ class PPOConfig(ClippedPGConfig):
     norm_adv: bool = True
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
-    correction: Literal["none", "is", "vtrace"] = "none"
-    """Off-policy correction for stale data (see ``learner/vtrace.py``). none: PPO's ratio on the
-    behaviour log-prob, GAE on the values the actor computed. is: the trust region is centred on
-    the current policy at the start of the update, and each advantage is weighted by the truncated
-    importance weight min(rho_bar, pi/mu) (decoupled PPO). vtrace: IMPALA's V-trace value targets
-    and advantages computed with the current networks, inside the same decoupled clipped update."""
-    rho_bar: Annotated[float, Range(gt=0)] = 1.0
-    """Truncation of the importance weights in the advantage (is, vtrace)."""
+    correction: Literal["none", "is", "vtrace", "appo", "ewma", "mask"] = "none"
+    """Off-policy correction for stale data; ``learner/vtrace.py`` says when to use which.
+    none: PPO's ratio on the behaviour log-prob mu. is: decoupled PPO, the clip centred on the
+    policy at the start of the update, advantages weighted by min(rho_bar, pi/mu). vtrace: is, with
+    IMPALA's V-trace value targets and advantages. appo: Sample Factory's APPO, PPO's clip on pi/mu
+    with V-trace targets and rho-truncated V-trace advantages. ewma: decoupled PPO whose proximal
+    policy is an exponential moving average of past weights (Hilton et al. 2021). mask: is, with the
+    samples whose pi/mu lies outside [1/mask_threshold, mask_threshold] dropped from the update.
+    Any correction but none normalises advantages once per batch, before the importance weight."""
+    rho_bar: Optional[Annotated[float, Range(gt=0)]] = None
+    """Truncation of the importance weights. None: 100 for is, ewma and mask (Hilton et al.'s
+    reference code clips there; a weight of 1 would pull every update back towards mu), 1 for vtrace
+    and appo (IMPALA and Sample Factory, whose value targets are defined with rho_bar = 1)."""
     c_bar: Annotated[float, Range(gt=0)] = 1.0
-    """Truncation of the trace-cutting coefficients c (vtrace)."""
+    """Truncation of the trace-cutting coefficients c (vtrace, appo)."""
     vtrace_lambda: Optional[Annotated[float, Range(ge=0, le=1)]] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
+    ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
+    """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
+    optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,
+    so the proximal policy is on average as old as plain PPO's (Hilton et al. 2021, section 4)."""
+    mask_threshold: Annotated[float, Range(gt=1)] = 2.0
+    """mask: keep a sample only while 1/threshold <= pi/mu <= threshold (RLinf's
+    behave_weight_threshold, default 2)."""
     recompute_values: Optional[bool] = None
-    """Recompute V(s) with the current critic before GAE, instead of the values the actor's (older)
-    critic gave when it acted. None (default): when the batch holds samples acted by an older
-    version than the learner's (vla mode), which costs one forward pass over the batch and is a
-    no-op on fresh data; true: always; false: never. Always on for vtrace. The bootstrap value
-    after a rollout's last step and after a truncation stays the actor's: its observation is not
-    in the rollout."""
+    """Recompute V(s), and every bootstrap value, with the current critic instead of using the
+    values the actor's (older) critic gave when it acted. None (default): when the batch holds
+    samples acted by an older version than the learner's (vla mode), which costs one forward pass
+    over the batch and is a no-op on fresh data; true: always; false: never, for every correction
+    (V-trace then runs on the acting critic's values). The bootstrap after a truncation and after a
+    rollout's last step is recomputed from the observation vla-mode actors send for it
+    (``bootstrap_observation``); a rollout without one (a recording from before it existed, or
+    standard mode, where nothing is stale) keeps the actor's ``next_value`` there."""
+
+    def rho_bar_for(self) -> float:
+        """The truncation level in use (the default depends on the correction)."""
+        if self.rho_bar is not None:
+            return self.rho_bar
+        return 1.0 if self.correction in ("vtrace", "appo") else 100.0
 
 
 @dataclass

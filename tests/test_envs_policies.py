@@ -101,6 +101,43 @@ def test_collector_bootstraps_truncation_from_final_observation(env_id):
     assert stats.episode_lengths == [5, 5, 5, 5]
 
 
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "CartPole-v1"])
+def test_collector_sends_the_observation_each_bootstrap_needs(env_id):
+    """With bootstrap_obs (vla-mode PPO): the final observation at truncated steps, the observation
+    after the last step where it did not end an episode, zeros everywhere else (terminations too);
+    and the actor's next_value is its critic on exactly that observation."""
+    cfg = cfg_for(env_id, max_episode_steps=5)
+    env = make_env(env_id, 3, cfg.env.cfg)
+    policy = make_policy(cfg, env.spec)
+    col = Collector(env, policy, num_steps=12, seed=0, bootstrap_obs=True)
+    finals = []
+    step_fn = env.step
+
+    def recording_step(action):
+        out = step_fn(action)
+        finals.append(out.final_obs.clone())
+        return out
+
+    env.step = recording_step
+    for _ in range(2):                               # the second rollout reuses a storage: re-zeroed
+        finals.clear()
+        td, _, _ = col.collect(version=0)
+        boot, term, done = td[keys.BOOTSTRAP_OBS], td[keys.TERMINATED], td[keys.DONE]
+        assert boot.shape == td[keys.OBS].shape
+        need = ~term & (done | torch.arange(12).eq(11).expand(3, 12))
+        assert need[:, 11].any() and (done & ~term).any()
+        for t in range(12):
+            for e in range(3):
+                if need[e, t]:
+                    torch.testing.assert_close(boot[e, t], finals[t][e])
+                else:
+                    assert not boot[e, t].any()
+        with torch.no_grad():
+            v = policy.get_value(TensorDict({keys.OBS: boot[need]}, [int(need.sum())]))
+        torch.testing.assert_close(td[keys.NEXT_VALUE][need], v)
+    assert keys.BOOTSTRAP_OBS not in Collector(env, policy, num_steps=4, seed=0).collect(0)[0].keys()
+
+
 def test_collector_zero_bootstrap_on_termination():
     cfg = cfg_for("CartPole-v1")
     env = make_env("CartPole-v1", 4)

@@ -112,6 +112,25 @@ def test_nested_rollout_through_collector_wire_and_buffer_unchanged():
     assert torch.isfinite(out[keys.NEXT_VALUE]).all()
 
 
+def test_nested_bootstrap_observation_through_collector_wire_and_template():
+    """vla-mode PPO rollouts carry the observation each bootstrap needs, nested like the observation."""
+    env = TinyReachEnv(num_envs=3)
+    policy = TinyMultiModalPolicy()
+    rollout, _, _ = Collector(env, policy, num_steps=7, seed=0, bootstrap_obs=True).collect(version=0)
+    boot = rollout[keys.BOOTSTRAP_OBS]
+    assert set(boot.keys()) == {"rgb", "proprio", "instruction"} and boot["rgb"].dtype == torch.uint8
+    assert boot["rgb"][:, 4].any() and boot["rgb"][:, 6].any()      # truncated at step 4; the last step
+    assert not boot["rgb"][:, :4].any() and not boot["rgb"][:, 5].any()
+    with torch.no_grad():
+        v = policy.get_value(TensorDict({keys.OBS: boot[:, 4]}, [3]))
+    torch.testing.assert_close(rollout[keys.NEXT_VALUE][:, 4], v)
+    decoded, _ = wire.decode([bytes(f) for f in wire.encode(rollout, kind="rollout", actor=0, seq=0)])
+    assert (decoded == rollout).all()
+    template = rollout_template(env.spec, 3, 7, with_bootstrap_obs=True)
+    assert set(template.keys(include_nested=True, leaves_only=True)) == set(
+        rollout.keys(include_nested=True, leaves_only=True))
+
+
 def test_reach_task_needs_the_instruction_and_the_expert_solves_it():
     from shared.envs import make_env
     env = make_env("tandem/Reach-v0", 64)

@@ -137,16 +137,22 @@ def test_pace_waits_for_the_learner_instead_of_running_ahead():
     assert actor.step_once() and len(sink.messages) == 3
 
 
-@pytest.mark.parametrize("correction,lam", [("is", 1.0), ("is", 0.9), ("vtrace", 1.0)])
+@pytest.mark.parametrize("correction,lam", [("is", 1.0), ("is", 0.9), ("vtrace", 1.0), ("appo", 1.0), ("mask", 0.9),
+                                            ("ewma", 0.9)])
 def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam):
-    """On-policy data (standard mode) with rho_bar = c_bar = 1: the corrections give plain PPO's
-    first update. (V-trace only at lambda = 1: for lambda < 1 its value targets are still GAE's, but
-    IMPALA's policy-gradient advantage r + gamma v_{s+1} - V(s) is not GAE's advantage.)"""
+    """On-policy data (standard mode): every correction gives plain PPO's first update. Advantage
+    normalisation is off on both sides, since plain PPO normalises per minibatch and the corrections
+    once per batch (test_corrections_normalise_once_per_batch_before_weighting). V-trace and APPO only
+    at lambda = 1: for lambda < 1 their value targets are still GAE's, but IMPALA's policy-gradient
+    advantage r + gamma v_{s+1} - V(s) is not GAE's. ewma with its decay near 1, so that its proximal
+    policy stays at the weights that acted."""
     results = []
     for corr in ("none", correction):
         cfg = small_config()
         cfg.algorithm.cfg.gae_lambda = lam
         cfg.algorithm.cfg.correction = corr
+        cfg.algorithm.cfg.norm_adv = False
+        cfg.algorithm.cfg.ewma_decay = 0.999999
         pub = ListPublisher()
         learner = Learner(cfg, run_dir=None, publisher=pub)
         learner.publish()
@@ -154,8 +160,10 @@ def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam):
         actor = Actor(cfg, 0, PublisherSource(pub), sink)
         assert actor.step_once()
         learner.ingest(*sink.messages[-1])
-        learner.update_once(*learner.take_batch(timeout_s=0))
+        stats = learner.update_once(*learner.take_batch(timeout_s=0))
         results.append(learner.policy.state_dict())
+        if corr == "mask":
+            assert stats["masked_frac"] == 0.0
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-4, atol=1e-5)
 
@@ -182,9 +190,9 @@ def _gae_of_update(learner, td, meta, monkeypatch):
     seen = {}
     real = learner_module.ppo_update
 
-    def spy(policy, optimizer, batch, cfg, generator, sync_mean=None):
+    def spy(policy, optimizer, batch, cfg, generator, sync_mean=None, **kwargs):
         seen["adv"], seen["target"] = batch[keys.ADVANTAGE].clone(), batch[keys.VALUE_TARGET].clone()
-        return real(policy, optimizer, batch, cfg, generator, sync_mean=sync_mean)
+        return real(policy, optimizer, batch, cfg, generator, sync_mean=sync_mean, **kwargs)
 
     monkeypatch.setattr(learner_module, "ppo_update", spy)
     learner.ingest(td.clone(), meta)
@@ -195,9 +203,10 @@ def _gae_of_update(learner, td, meta, monkeypatch):
 
 @pytest.mark.parametrize("setting", [None, True, False])
 def test_stale_values_are_recomputed_by_default(tmp_path, monkeypatch, setting):
-    """recompute_values None (default): GAE on stale samples uses the current critic's V(s) (the
-    actor's bootstrap after the last step kept); on fresh samples the actor's values, untouched.
-    True: always recompute; False: never."""
+    """recompute_values None (default): GAE on stale samples uses the current critic's V(s), and its
+    value of the bootstrap observation after a truncation and after the last step; on fresh samples
+    the actor's values, untouched. True: always recompute; False: never (and then the actors send no
+    bootstrap observation)."""
     from learner.advantages import compute_gae
     from learner.vtrace import current_values
     cfg, learner = _vla_learner(tmp_path, recompute_values=setting)
@@ -212,15 +221,22 @@ def test_stale_values_are_recomputed_by_default(tmp_path, monkeypatch, setting):
         _gae_of_update(learner, fresh, meta, monkeypatch)
     r, d, term, gamma, lam = (fresh[keys.REWARD], fresh[keys.DONE], fresh[keys.TERMINATED], cfg.algorithm.cfg.gamma,
                               cfg.algorithm.cfg.gae_lambda)
+    assert (keys.BOOTSTRAP_OBS in fresh.keys()) == (setting is not False)
     with torch.no_grad():                                            # the critic the next update starts with
         v_now = learner.policy.evaluate_actions(fresh.reshape(-1))[2].view(n, t)
+        boot_now = (learner.policy.get_value(TensorDict({keys.OBS: fresh[keys.BOOTSTRAP_OBS].reshape(n * t, -1)},
+                                                        [n * t])).view(n, t) if setting is not False else None)
     seen, stats = _gae_of_update(learner, fresh, meta, monkeypatch)   # version-0 data, 3 versions old
     if setting is False:
         expected = compute_gae(r, fresh[keys.VALUE], fresh[keys.NEXT_VALUE], term, d, gamma, lam)
         assert "value_shift" not in stats
     else:
-        expected = compute_gae(r, v_now, current_values(v_now, fresh[keys.NEXT_VALUE], d), term, d, gamma, lam)
-        assert stats["value_shift"] > 0
+        next_now = current_values(v_now, fresh[keys.NEXT_VALUE], d, boot_now, term)
+        expected = compute_gae(r, v_now, next_now, term, d, gamma, lam)
+        assert stats["value_shift"] > 0 and stats["bootstrap_shift"] > 0
+        # the last step's bootstrap is the current critic's value of the observation after it
+        open_end = ~d[:, -1]
+        torch.testing.assert_close(next_now[open_end, -1], boot_now[open_end, -1])
     torch.testing.assert_close(seen["adv"], expected[0])
     torch.testing.assert_close(seen["target"], expected[1])
     assert not torch.allclose(fresh[keys.VALUE], v_now)               # the critic did move: the test can tell

@@ -1,0 +1,269 @@
+"""The off-policy corrections inside the learner (learner/vtrace.py, learner/ppo.py): advantages
+normalised once per batch before any weight, recompute_values honoured for every correction, the
+rho_bar defaults, APPO's targets, the EWMA proximal policy's update rule, masked samples, and
+rollouts from before the bootstrap observation existed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from learner.advantages import compute_gae
+from learner.grpo import MASK
+from learner.minibatch import log_ratio
+from learner.ppo import ppo_loss
+from learner.vtrace import EWMAProximal, ewma_decay_for, vtrace
+from shared import keys
+from shared.config import PPOConfig
+from shared.policies import make_policy
+from tests.test_staleness import _rollout, _vla_learner
+
+
+def _stale_update(tmp_path, monkeypatch, lag=3, **algo):
+    """A learner `lag` versions past a rollout acted by version 0; returns what ppo_update got."""
+    import learner.learner as learner_module
+    cfg, learner = _vla_learner(tmp_path, **algo)
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(lag):
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    seen = {}
+    real = learner_module.ppo_update
+
+    def spy(policy, optimizer, batch, cfg_, generator, sync_mean=None, **kwargs):
+        seen["batch"], seen["kwargs"] = batch.clone(), kwargs
+        return real(policy, optimizer, batch, cfg_, generator, sync_mean=sync_mean, **kwargs)
+
+    with torch.no_grad():
+        logp_now, _, v_now = learner.policy.evaluate_actions(td.reshape(-1))
+    monkeypatch.setattr(learner_module, "ppo_update", spy)
+    learner.ingest(td.clone(), meta)
+    stats = learner.update_once(*learner.take_batch(timeout_s=0))
+    return cfg, learner, td, logp_now.view(n, t), v_now.view(n, t), seen, stats
+
+
+def _norm(x):
+    return (x - x.mean()) / (x.std() + 1e-8)
+
+
+@pytest.mark.parametrize("correction", ["is", "mask", "ewma"])
+def test_advantages_are_normalised_once_per_batch_before_the_weight(tmp_path, monkeypatch, correction):
+    cfg, learner, td, logp_now, _, seen, _ = _stale_update(tmp_path, monkeypatch, correction=correction,
+                                                           recompute_values=False)
+    a = cfg.algorithm.cfg
+    adv, _ = compute_gae(td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE], td[keys.TERMINATED], td[keys.DONE],
+                         a.gamma, a.gae_lambda)
+    rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
+    weight = torch.ones_like(rho) if correction == "ewma" else rho.clamp(max=100.0)   # ewma weighs per minibatch
+    torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], _norm(adv) * weight)
+    assert seen["kwargs"]["renormalize"] is False
+    assert (seen["kwargs"]["proximal"] is not None) == (correction == "ewma")
+
+
+def test_plain_ppo_still_normalises_per_minibatch(tmp_path, monkeypatch):
+    _, _, _, _, _, seen, _ = _stale_update(tmp_path, monkeypatch, correction="none")
+    assert seen["kwargs"]["renormalize"] is True and seen["kwargs"]["proximal"] is None
+
+
+@pytest.mark.parametrize("correction", ["is", "vtrace", "appo"])
+def test_recompute_values_false_is_honoured_by_every_correction(tmp_path, monkeypatch, correction):
+    """The values and bootstraps are the acting critic's, the log-probs are the current policy's."""
+    cfg, _, td, logp_now, _, seen, stats = _stale_update(tmp_path, monkeypatch, correction=correction,
+                                                         recompute_values=False)
+    a = cfg.algorithm.cfg
+    assert "value_shift" not in stats
+    assert keys.BOOTSTRAP_OBS not in td.keys()          # nothing to recompute from: the actors send none
+    torch.testing.assert_close(seen["batch"][keys.VALUE], td[keys.VALUE])
+    if correction == "is":
+        expected = compute_gae(td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE], td[keys.TERMINATED],
+                               td[keys.DONE], a.gamma, a.gae_lambda)[1]
+    else:
+        expected = vtrace(td[keys.LOG_PROB], logp_now, td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE],
+                          td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda)[0]
+    torch.testing.assert_close(seen["batch"][keys.VALUE_TARGET], expected)
+
+
+def test_appo_targets_are_vtrace_and_its_clip_is_anchored_on_the_behaviour_policy(tmp_path):
+    cfg, learner = _vla_learner(tmp_path, correction="vtrace")
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(3):                              # the rollout is now 3 versions old
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    out = {}
+    for corr in ("vtrace", "appo"):                 # the same learner state and data for both
+        learner.algo.correction = corr
+        flat = td.clone()
+        stats, renormalize = learner._correct_and_advantages(flat, flat[keys.REWARD], stale=True)
+        out[corr] = (flat, stats, renormalize)
+    (v, stats_v, renorm_v), (a, stats_a, renorm_a) = out["vtrace"], out["appo"]
+    torch.testing.assert_close(a[keys.VALUE_TARGET], v[keys.VALUE_TARGET])
+    torch.testing.assert_close(a[keys.ADVANTAGE], v[keys.ADVANTAGE])
+    assert stats_a == stats_v and renorm_a is renorm_v is False
+    # APPO: PPO's ratio on pi/mu; V-trace's decoupled clip: on the policy at the start of the update
+    torch.testing.assert_close(a[keys.LOG_PROB], td[keys.LOG_PROB])
+    assert not torch.allclose(v[keys.LOG_PROB], td[keys.LOG_PROB])
+    # and the targets are V-trace's on the current critic, with rho_bar = c_bar = 1
+    with torch.no_grad():
+        logp_now, _, v_now = learner.policy.evaluate_actions(td.reshape(-1))
+    torch.testing.assert_close(v[keys.LOG_PROB], logp_now.view(n, t))
+    torch.testing.assert_close(v[keys.VALUE], v_now.view(n, t))
+
+
+def test_rho_bar_defaults_per_correction():
+    assert PPOConfig(correction="is").rho_bar_for() == 100.0
+    assert PPOConfig(correction="ewma").rho_bar_for() == 100.0
+    assert PPOConfig(correction="mask").rho_bar_for() == 100.0
+    assert PPOConfig(correction="vtrace").rho_bar_for() == 1.0
+    assert PPOConfig(correction="appo").rho_bar_for() == 1.0
+    assert PPOConfig(correction="is", rho_bar=2.5).rho_bar_for() == 2.5
+
+
+def _tiny_policy():
+    from tests.test_learner_component import small_config
+    from shared.envs import make_env
+    cfg = small_config()
+    env = make_env("CartPole-v1", 4)
+    policy = make_policy(cfg, env.spec)
+    td = policy(TensorDict({keys.OBS: env.reset(seed=0)}, [4]))
+    env.close()
+    return policy, td
+
+
+def test_ewma_proximal_follows_its_update_rule():
+    policy, td = _tiny_policy()
+    prox = EWMAProximal(policy, decay=0.75)
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    expected = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        prox.step()
+        for n, p in policy.named_parameters():
+            expected[n] = 0.75 * expected[n] + 0.25 * p.detach()
+    for n in names:
+        torch.testing.assert_close(prox.tensors[f"policy.{n}"], expected[n])
+    # its log-prob is the policy's own, evaluated with the averaged weights; the live ones untouched
+    live = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    averaged = make_policy(*_cfg_spec())
+    averaged.load_state_dict(policy.state_dict())
+    with torch.no_grad():
+        for n, p in averaged.named_parameters():
+            p.copy_(expected[n])
+        torch.testing.assert_close(prox.log_prob(td), averaged.evaluate_actions(td)[0])
+    for n, p in policy.named_parameters():
+        assert torch.equal(p, live[n])
+    # and it survives a checkpoint
+    other = EWMAProximal(policy, decay=0.75)
+    other.load_state_dict(prox.state_dict())
+    for n in names:
+        torch.testing.assert_close(other.tensors[f"policy.{n}"], expected[n])
+
+
+def _cfg_spec():
+    from tests.test_learner_component import small_config
+    from shared.envs import make_env
+    env = make_env("CartPole-v1", 1)
+    spec = env.spec
+    env.close()
+    return small_config(), spec
+
+
+def test_ewma_default_decay_matches_plain_ppos_proximal_age():
+    assert ewma_decay_for(32) == pytest.approx(16 / 17)
+    d = ewma_decay_for(320)
+    assert d / (1 - d) == pytest.approx(160)       # the average's centre of mass, in optimiser steps
+
+
+def test_ewma_run_moves_the_average_every_optimiser_step(tmp_path, monkeypatch):
+    cfg, learner, *_ , stats = _stale_update(tmp_path, monkeypatch, lag=1, correction="ewma")
+    assert learner.ewma is not None
+    steps = cfg.algorithm.cfg.n_epochs * -(-cfg.actors.num_envs * cfg.trainer.buffer_size // cfg.algorithm.cfg.batch_size)
+    assert learner.ewma.decay == pytest.approx(ewma_decay_for(steps))
+    assert 0 < stats["prox_weight_mean"]
+    live = dict(learner.policy.named_parameters())
+    moved = [not torch.equal(t, live[n.removeprefix("policy.")]) for n, t in learner.ewma.tensors.items()]
+    assert any(moved)                              # an average of past weights, not the live ones
+
+
+def test_a_masked_sample_contributes_no_gradient():
+    policy, td = _tiny_policy()
+    cfg = PPOConfig(norm_adv=False)
+    mb = td.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    mb.set(keys.ADVANTAGE, torch.randn(4, generator=g))
+    mb.set(keys.VALUE_TARGET, torch.randn(4, generator=g))
+    mb.set(keys.LOG_PROB, mb[keys.LOG_PROB] + 0.3 * torch.randn(4, generator=g))
+    keep = torch.tensor([True, False, True, False])
+
+    def grads(batch):
+        policy.zero_grad()
+        out = ppo_loss(policy, batch, cfg)
+        sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+        return {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+    masked = mb.clone()
+    masked.set(MASK, keep)
+    poisoned = masked.clone()                      # a NaN in a dropped sample changes nothing either
+    poisoned[keys.ADVANTAGE][1] = float("nan")
+    poisoned[keys.VALUE_TARGET][3] = float("inf")
+    reference = grads(mb[keep])
+    for batch in (masked, poisoned):
+        got = grads(batch)
+        for n in reference:
+            torch.testing.assert_close(got[n], reference[n])
+
+
+def test_mask_correction_drops_and_counts_samples_outside_the_band(tmp_path, monkeypatch):
+    _, learner, td, logp_now, _, seen, stats = _stale_update(tmp_path, monkeypatch, correction="mask",
+                                                             mask_threshold=1.05)
+    rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
+    keep = (rho >= 1 / 1.05) & (rho <= 1.05)
+    assert 0 < int((~keep).sum()) < keep.numel()   # the test can tell
+    assert torch.equal(seen["batch"][MASK], keep)
+    assert stats["masked_frac"] == pytest.approx(float((~keep).float().mean()))
+    total = learner.counts["masked_samples"]      # over every update so far (the earlier ones masked too)
+    assert total >= int((~keep).sum()) and learner.last_update_values["offpolicy/masked_samples_total"] == total
+
+
+def test_a_rollout_without_a_bootstrap_observation_keeps_the_actors_bootstrap(tmp_path, monkeypatch):
+    """Recordings from before ``bootstrap_observation`` existed still train (and replay): the bootstrap
+    after a truncation or the last step is then the actor's next_value, as it used to be."""
+    import learner.learner as learner_module
+    from learner.vtrace import current_values
+    cfg, learner = _vla_learner(tmp_path, correction="is")
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(2):
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    old = td.exclude(keys.BOOTSTRAP_OBS)
+    with torch.no_grad():
+        v_now = learner.policy.evaluate_actions(old.reshape(-1))[2].view(n, t)
+    seen = {}
+    real = learner_module.ppo_update
+
+    def spy(policy, optimizer, batch, cfg_, generator, sync_mean=None, **kwargs):
+        seen["target"] = batch[keys.VALUE_TARGET].clone()
+        return real(policy, optimizer, batch, cfg_, generator, sync_mean=sync_mean, **kwargs)
+
+    monkeypatch.setattr(learner_module, "ppo_update", spy)
+    stats = learner.update_once(old.unsqueeze(0), [_info(meta, old)])
+    a = cfg.algorithm.cfg
+    expected = compute_gae(old[keys.REWARD], v_now, current_values(v_now, old[keys.NEXT_VALUE], old[keys.DONE]),
+                           old[keys.TERMINATED], old[keys.DONE], a.gamma, a.gae_lambda)[1]
+    torch.testing.assert_close(seen["target"], expected)
+    assert "bootstrap_shift" not in stats and "value_shift" in stats
+
+
+def _info(meta, td):
+    versions = td[keys.POLICY_VERSION]
+    uniq, counts = torch.unique(versions, return_counts=True)
+    return {"actor": 0, "seq": meta.get("seq", 0), "policy_version": int(versions.min()),
+            "policy_version_max": int(versions.max()), "env_steps": versions.numel(),
+            "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": 0,
+            "episode_length_mean": None, "received": None, "sent": None}
