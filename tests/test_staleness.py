@@ -3,6 +3,8 @@ delayed weights, off-policy corrections inside the learner, record/replay and th
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 import time
@@ -271,6 +273,16 @@ def test_record_replay_report_on_a_real_run(tmp_path):
     other = replay_tool.replay(run, ["algorithm.cfg.correction=none"])
     assert replay_tool.weights_digest(other.policy) != digest
     assert any(x["event"] == "sync" for x in read_jsonl(run / "versions.jsonl"))
+    # every correction on this same record, final weights evaluated: one table row for the run's lag
+    import replay_corrections
+    assert replay_corrections.main([str(run), "--corrections", "none appo ewma", "--episodes", "3",
+                                    "--out", str(tmp_path / "rc")]) == 0
+    rows = json.loads((tmp_path / "rc" / "replay.json").read_text())
+    assert [r["correction"] for r in rows] == ["none", "appo", "ewma"]
+    assert all(math.isfinite(r["return"]) and r["updates"] == len(index) for r in rows)
+    assert len({r["mean_lag"] for r in rows}) == 1 and rows[0]["mean_lag"] > 0
+    assert "| 3 |" in (tmp_path / "rc" / "replay.md").read_text()
+    assert replay_corrections.main([str(run), "--corrections", "bogus"]) == 2
     written = report_tool.write_report([report_tool.load_run(run)], tmp_path / "report")
     names = {p.name for p in written}
     assert {"lag_histogram.png", "lag_over_time.png", "return_vs_steps.png", "return_vs_time.png",

@@ -1,0 +1,144 @@
+"""Compare off-policy corrections on identical data: replay recorded runs with each correction and
+evaluate the final weights.
+
+    launch/sweep_staleness.sh configs/pendulum_ppo.json --sync "1 4 16 32" --corrections none \\
+        --seeds "1 2 3" --set trainer.record=true --out SWEEP
+    python launch/replay_corrections.py SWEEP/sync*_none_s* --corrections "none is vtrace appo ewma mask" \\
+        --episodes 20 --out SWEEP/replay
+
+Each RUN must have been recorded (``--record``, or ``--set trainer.record=true``). For each run and
+each correction, ``launch/replay.py`` retrains from fresh weights on exactly the batches the run's
+learner trained on, in the same order and at the same lags (so the only difference is the
+correction), and the final weights play ``--episodes`` deterministic episodes. Runs are grouped by
+``actors.sync_every`` (the controlled lag); seeds within a group give mean ± std. Writes
+``replay.md`` (a table: mean lag and final return per correction) and ``replay.json`` to ``--out``,
+and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch"))
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import replay as replay_tool  # noqa: E402
+from learner.evaluator import evaluate  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.config import ConfigError, load_config  # noqa: E402
+from shared.envs import make_env  # noqa: E402
+
+CORRECTIONS = ("none", "is", "vtrace", "appo", "ewma", "mask")
+
+
+def record_mean_lag(run_dir: Path) -> float:
+    """The mean lag of every sample the run trained on, from its record (version at the update
+    minus the version that acted)."""
+    total = count = 0
+    for entry in replay_tool.read_index(run_dir / "record"):
+        versions = TensorDict.load_memmap(run_dir / "record" / entry["dir"])[keys.POLICY_VERSION]
+        total += float((entry["version"] - versions).double().sum())
+        count += versions.numel()
+    return total / max(count, 1)
+
+
+def evaluate_final(learner, episodes: int, seed: int) -> float:
+    cfg = learner.cfg
+    env = make_env(cfg.env.id, episodes, cfg.env.cfg, "cpu")
+    try:
+        policy = learner.policy.to("cpu").eval()
+        returns, _, _ = evaluate(policy, env, episodes, seed)
+    finally:
+        env.close()
+    return sum(returns) / len(returns)
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="recorded run directories")
+    p.add_argument("--corrections", default=" ".join(CORRECTIONS))
+    p.add_argument("--episodes", type=int, default=20, help="deterministic evaluation episodes per result")
+    p.add_argument("--eval-seed", type=int, default=12345)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="further override for every replay (repeatable)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    corrections = args.corrections.split()
+    unknown = [c for c in corrections if c not in CORRECTIONS]
+    if unknown or not corrections:
+        print(f"replay_corrections.py: --corrections: unknown {unknown} (choose from {', '.join(CORRECTIONS)})",
+              file=sys.stderr)
+        return 2
+    if args.episodes < 1:
+        print("replay_corrections.py: --episodes must be >= 1", file=sys.stderr)
+        return 2
+    rows = []
+    for run in args.runs:
+        try:
+            cfg = load_config(run / "config.json")
+            lag = record_mean_lag(run)
+        except (ConfigError, replay_tool.ReplayError, OSError) as e:
+            print(f"replay_corrections.py: {run}: {e}", file=sys.stderr)
+            return 2
+        for corr in corrections:
+            t0 = time.time()
+            try:
+                learner = replay_tool.replay(run, [f"algorithm.cfg.correction={corr}", *args.sets])
+            except (ConfigError, replay_tool.ReplayError) as e:
+                print(f"replay_corrections.py: {run}: {e}", file=sys.stderr)
+                return 2
+            ret = evaluate_final(learner, args.episodes, args.eval_seed)
+            rows.append({"run": str(run), "sync_every": cfg.actors.sync_every, "seed": cfg.trainer.seed,
+                         "mean_lag": lag, "correction": corr, "return": ret, "updates": learner.updates,
+                         "replay_s": time.time() - t0})
+            print(f"[replay] {run.name}: {corr:6s} lag {lag:5.2f}  return {ret:9.1f}  "
+                  f"({learner.updates} updates, {time.time() - t0:.0f} s)", flush=True)
+            del learner
+    table = render(rows, corrections)
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "replay.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "replay.md").write_text(
+            "# Corrections compared on identical data (launch/replay_corrections.py)\n\n"
+            f"Final return of the replayed weights, {args.episodes} deterministic episodes, "
+            "mean ± std over the seeds of each lag.\n\n" + table + "\n")
+    return 0
+
+
+def render(rows: list[dict], corrections: list[str]) -> str:
+    groups: dict[int, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["sync_every"], []).append(r)
+    head = "| sync_every | mean lag | seeds | " + " | ".join(corrections) + " |"
+    lines = [head, "|" + "---|" * 3 + "---:|" * len(corrections)]
+    for k in sorted(groups):
+        g = groups[k]
+        lag = _mean_std([r["mean_lag"] for r in g if r["correction"] == corrections[0]])[0]
+        seeds = sorted({r["seed"] for r in g})
+        cells = []
+        for c in corrections:
+            xs = [r["return"] for r in g if r["correction"] == c]
+            m, s = _mean_std(xs)
+            cells.append(f"{m:.1f} ± {s:.1f}" if len(xs) > 1 else f"{m:.1f}")
+        lines.append(f"| {k} | {lag:.2f} | {len(seeds)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
