@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import zmq
@@ -28,10 +29,16 @@ log = logging.getLogger("tandem.evaluator")
 
 
 @torch.inference_mode()
-def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
+def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
+             frames: dict[int, list] | None = None, max_frames: int = 300, frame_every: int = 1
              ) -> tuple[list[float], list[int], list[bool]]:
     """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy.
-    Returns episode returns, lengths and (for tasks that define it) successes."""
+    Returns episode returns, lengths and (for tasks that define it) successes.
+
+    `frames` (evaluation videos): ``{env index: []}``; each list is filled with that env's rendered
+    frames (``env.render_frames``) of its first episode, every `frame_every` steps, at most
+    `max_frames`. Rendering starts at the reset state and stops when the episode ends (the
+    auto-reset state after it belongs to the next one)."""
     obs = env.reset(seed=seed)
     n = env.num_envs
     returns: list[float | None] = [None] * n
@@ -40,7 +47,16 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
     ep_ret = torch.zeros(n, dtype=torch.float64)
     ep_len = torch.zeros(n, dtype=torch.int64)
     limit = env.spec.max_episode_steps or 100_000
-    for _ in range(limit + 1):
+    recording = sorted(frames) if frames else []
+
+    def capture(step: int) -> None:
+        live = [i for i in recording if returns[i] is None and len(frames[i]) < max_frames]
+        if live and step % frame_every == 0:
+            for i, frame in zip(live, env.render_frames(live)):
+                frames[i].append(frame)
+
+    capture(0)
+    for t in range(limit + 1):
         td = policy(TensorDict({keys.OBS: obs}, batch_size=[n]), deterministic=True)
         step = env.step(td[keys.ACTION])
         ep_ret += step.reward.double().cpu()
@@ -56,12 +72,65 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int
         obs = step.obs
         if all(r is not None for r in returns):
             break
+        if recording:
+            capture(t + 1)
     return ([r for r in returns if r is not None][:num_episodes], [n for n in lengths if n is not None][:num_episodes],
             [x for x in successes if x is not None][:num_episodes])
 
 
+class VideoRecorder:
+    """The evaluator's side of ``trainer.video``: which evaluations to record, the MP4 files under
+    ``RUN_DIR/videos`` and the frame strips in TensorBoard (an events file of the evaluator's own in
+    the run directory). Any failure to render, encode or write is logged and counted, never fatal."""
+
+    def __init__(self, cfg: Config, run_dir: str | None, env):
+        self.video = cfg.trainer.video
+        self.episodes = min(self.video.episodes, cfg.trainer.num_eval_episodes)
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.enabled = self.video.every > 0 and self.run_dir is not None
+        self.failures = 0
+        self._writer = None
+        if self.enabled and not hasattr(env, "render_frames"):
+            log.warning("evaluator: trainer.video is on, but %s offers no frames (no render_frames): no videos",
+                        cfg.env.id)
+            self.enabled = False
+
+    def wants(self, count: int, final: bool) -> bool:
+        """Record evaluation number `count` (0-based)?"""
+        return self.enabled and (final or count % self.video.every == 0)
+
+    def buffers(self) -> dict[int, list]:
+        return {i: [] for i in range(self.episodes)}
+
+    def write(self, frames: dict[int, list], version: int, env_steps: int) -> list[Path]:
+        from shared.video import frame_strip, write_mp4
+        written = []
+        for i, clip in sorted(frames.items()):
+            if not clip:
+                continue
+            path = self.run_dir / "videos" / f"eval_v{version}_ep{i}.mp4"
+            try:
+                written.append(write_mp4(path, clip, fps=self.video.fps))
+                self._tensorboard(f"eval/video/ep{i}", frame_strip(clip), env_steps)
+            except Exception as e:   # a broken encoder or a full disk must not end the evaluator
+                self.failures += 1
+                log.warning("evaluator: could not write %s: %s: %s", path, type(e).__name__, e)
+        return written
+
+    def _tensorboard(self, tag: str, image, step: int) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self._writer = SummaryWriter(str(self.run_dir), filename_suffix=".evaluator")
+        self._writer.add_image(tag, image, step, dataformats="HWC")
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
 def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int,
-                  curve: dict[str, str] | None = None, token: str | None = None) -> None:
+                  curve: dict[str, str] | None = None, token: str | None = None, run_dir: str | None = None) -> None:
     """Entry point of the evaluator process (spawned by the learner). Results go to the learner's
     evaluator socket (``endpoints["eval"]``, loopback) with the per-run `token` the learner gave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C reaches the learner; it stops us
@@ -69,8 +138,13 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     torch.set_num_threads(1)
     cfg: Config = config_from_dict(cfg_dict, source=source)
     t = cfg.trainer
-    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu")
+    if t.video.every > 0 and not os.environ.get("DISPLAY"):
+        os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
+    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu", render=t.video.every > 0)
     policy = make_policy(cfg, env.spec).eval()
+    video = VideoRecorder(cfg, run_dir, env)
+    if video.enabled:
+        os.nice(10)   # rendering is slow: it must take CPU from training only when training leaves some
     ctx = zmq.Context()
     client = CurveClient.from_strings(curve) if curve is not None else None
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=client)
@@ -107,7 +181,21 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 log.warning("evaluator: could not load weights version %r: %s", meta.get("version"), e)
                 continue
             t0 = time.perf_counter()
-            returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
+            frames = video.buffers() if video.wants(count, final) else None
+            try:
+                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count,
+                                                       frames=frames, max_frames=t.video.max_frames,
+                                                       frame_every=t.video.frame_every)
+            except Exception as e:
+                if frames is None:
+                    raise
+                # the renderer failed: say so, stop recording, and evaluate without it
+                log.warning("evaluator: rendering failed (%s: %s); videos are off for this run", type(e).__name__, e)
+                video.enabled, frames = False, None
+                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
+            version = meta.get("version")
+            if frames and isinstance(version, int) and not isinstance(version, bool):   # it names the files
+                video.write(frames, version, steps)
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
@@ -116,6 +204,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                         eval_s=time.perf_counter() - t0)
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
     finally:
+        video.close()
         env.close()
         sub.close()
         push.close()

@@ -179,7 +179,8 @@ class LearnerRun:
         self.eval_proc = mp.get_context("spawn").Process(
             target=run_evaluator, name="tandem-evaluator", daemon=True,
             args=(self.cfg.to_dict(), self.cfg.source, endpoints, os.getpid(),
-                  self.curve.client_for_child().to_strings() if self.curve is not None else None, self.eval_token))
+                  self.curve.client_for_child().to_strings() if self.curve is not None else None, self.eval_token,
+                  str(self.run_dir)))
         self.eval_proc.start()
 
     # ================================================================ main loop

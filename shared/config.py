@@ -54,6 +54,26 @@ class _OutOfRange(str):
 
 
 @dataclass
+class VideoConfig:
+    """Evaluation videos (``learner/evaluator.py``): the evaluator renders the first `episodes`
+    episodes of every `every`-th evaluation, and of the final one, into
+    ``RUN_DIR/videos/eval_v<version>_ep<i>.mp4``, and a strip of frames into TensorBoard
+    (``eval/video/ep<i>``). Needs PyAV (``pip install -e '.[video]'``) and an env that renders:
+    gymnasium envs through ``render_mode="rgb_array"`` (MuJoCo: set ``MUJOCO_GL=egl`` where there is
+    no display), ``tandem/Reach-v0`` from its camera image. Rendering slows only the evaluator, which
+    then runs at a lower CPU priority."""
+    every: Annotated[int, Range(ge=0)] = 0
+    """Record every this many evaluations (1: all), plus the final one; 0: no videos."""
+    episodes: Annotated[int, Range(ge=1)] = 1
+    """Episodes recorded per chosen evaluation (at most trainer.num_eval_episodes)."""
+    fps: Annotated[int, Range(ge=1, le=240)] = 30
+    max_frames: Annotated[int, Range(ge=1)] = 300
+    """Frames kept per episode: the first ones (a 1000-step episode need not be 1000 renders)."""
+    frame_every: Annotated[int, Range(ge=1)] = 1
+    """Render every this many env steps."""
+
+
+@dataclass
 class TrainerConfig:
     exp_name: str = "tandem"
     seed: Annotated[int, Range(ge=0, le=2**32 - 1)] = 1
@@ -89,6 +109,8 @@ class TrainerConfig:
     """Mirror TensorBoard scalars to Weights & Biases (needs the wandb package)."""
     log_interval_s: Annotated[float, Range(gt=0)] = 5.0
     """Seconds between progress lines."""
+    video: VideoConfig = field(default_factory=VideoConfig)
+    """Evaluation videos (off by default): see :class:`VideoConfig`."""
 
 
 @dataclass

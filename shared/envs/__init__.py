@@ -11,21 +11,23 @@ MANISKILL_PREFIX = "maniskill/"   # ManiSkill3 tasks (shared/envs/maniskill.py; 
 
 
 def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
-             device: str | torch.device = "cpu") -> BatchedEnv:
+             device: str | torch.device = "cpu", render: bool = False) -> BatchedEnv:
     """Build ``num_envs`` envs of ``env_id`` as one :class:`BatchedEnv`.
 
     ``tandem/<Name>`` ids are torch-native batched simulators that run on ``device``;
     ``maniskill/<EnvId>`` is a ManiSkill3 task (CPU or GPU PhysX); anything else
     is a gymnasium id stepped on the CPU (``device`` then only says where the policy runs).
+    `render`: build the envs able to render frames (``render_frames(indices)``, evaluation
+    videos); torch-native envs that can render always can.
     """
     if env_id.startswith(TORCH_NATIVE_PREFIX):
         from shared.envs.torch_envs import make_torch_env
         return make_torch_env(env_id[len(TORCH_NATIVE_PREFIX):], num_envs, env_kwargs or {}, device)
     if env_id.startswith(MANISKILL_PREFIX):
         from shared.envs.maniskill import make_maniskill_env
-        return make_maniskill_env(env_id[len(MANISKILL_PREFIX):], num_envs, env_kwargs or {}, device)
+        return make_maniskill_env(env_id[len(MANISKILL_PREFIX):], num_envs, env_kwargs or {}, device, render)
     from shared.envs.gym_env import GymBatchedEnv
-    return GymBatchedEnv(env_id, num_envs, env_kwargs)
+    return GymBatchedEnv(env_id, num_envs, env_kwargs, render=render)
 
 
 __all__ = ["ActionSpec", "BatchedEnv", "EnvSpec", "StepResult", "make_env"]

@@ -38,12 +38,15 @@ def _spec_of(env: gym.vector.VectorEnv) -> EnvSpec:
 class GymBatchedEnv:
     """``num_envs`` copies of a gymnasium env in one ``SyncVectorEnv``."""
 
-    def __init__(self, env_id: str, num_envs: int, env_kwargs: dict | None = None):
+    def __init__(self, env_id: str, num_envs: int, env_kwargs: dict | None = None, render: bool = False):
+        kwargs = dict(env_kwargs or {})
+        if render:
+            kwargs.setdefault("render_mode", "rgb_array")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
                                      vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-                                     **(env_kwargs or {}))
+                                     **kwargs)
         self.num_envs = num_envs
         self.device = torch.device("cpu")
         self.spec = _spec_of(self._env)
@@ -90,6 +93,18 @@ class GymBatchedEnv:
                           terminated=torch.from_numpy(terminated.astype(bool)),
                           truncated=torch.from_numpy(truncated.astype(bool)),
                           final_obs=final_obs, episode_returns=returns, episode_lengths=lengths)
+
+    def render_frames(self, indices: list[int]) -> list[np.ndarray]:
+        """``[H, W, 3]`` uint8 frames of the envs at `indices` (built with ``render=True``); only
+        those envs render (rendering all of them would cost ``num_envs`` times as much)."""
+        frames = []
+        for i in indices:
+            frame = self._env.envs[i].render()
+            if frame is None:
+                raise RuntimeError(f"{self._env.envs[i].spec.id if self._env.envs[i].spec else 'env'}: render() "
+                                   f"returned nothing (was it built with render_mode='rgb_array'?)")
+            frames.append(np.asarray(frame))
+        return frames
 
     def close(self) -> None:
         self._env.close()

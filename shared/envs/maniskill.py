@@ -148,7 +148,8 @@ class _CpuScenes:
 class ManiSkillEnv:
     """``num_envs`` envs of one ManiSkill3 task (see the module docstring for ``cfg``)."""
 
-    def __init__(self, task: str, num_envs: int, cfg: dict | None = None, device: str | torch.device = "cpu"):
+    def __init__(self, task: str, num_envs: int, cfg: dict | None = None, device: str | torch.device = "cpu",
+                 render: bool = False):
         cfg = dict(cfg or {})
         unknown = sorted(set(cfg) - _KEYS)
         if unknown:
@@ -181,6 +182,8 @@ class ManiSkillEnv:
             kwargs["control_mode"] = cfg["control_mode"]
         if size is not None:
             kwargs["sensor_configs"] = dict(width=size, height=size)
+        if render:      # evaluation videos: ManiSkill's human-view camera
+            kwargs["render_mode"] = "rgb_array"
         try:
             registered = gym.spec(task).max_episode_steps
         except gym.error.Error as e:
@@ -277,9 +280,18 @@ class ManiSkillEnv:
         return StepResult(obs=obs, reward=reward, terminated=terminated, truncated=truncated, final_obs=final_obs,
                           episode_returns=returns, episode_lengths=lengths, episode_successes=successes)
 
+    def render_frames(self, indices: list[int]) -> list:
+        """``[H, W, 3]`` uint8 frames of ManiSkill's human-view camera for the envs at `indices`
+        (the env must be built with ``render=True``)."""
+        if isinstance(self.sim, _CpuScenes):
+            return [self.sim.envs[i].render()[0].cpu().numpy() for i in indices]
+        frames = self.sim.render()
+        return [frames[i].cpu().numpy() for i in indices]
+
     def close(self) -> None:
         self.sim.close()
 
 
-def make_maniskill_env(task: str, num_envs: int, cfg: dict | None, device: str | torch.device) -> ManiSkillEnv:
-    return ManiSkillEnv(task, num_envs, cfg, device)
+def make_maniskill_env(task: str, num_envs: int, cfg: dict | None, device: str | torch.device,
+                       render: bool = False) -> ManiSkillEnv:
+    return ManiSkillEnv(task, num_envs, cfg, device, render)

@@ -137,6 +137,32 @@ class Reach:
         return StepResult(obs=obs, reward=reward, terminated=terminated, truncated=truncated, final_obs=final_obs,
                           episode_returns=returns, episode_lengths=lengths, episode_successes=successes)
 
+    def render_frames(self, indices: list[int], size: int = 128) -> list:
+        """A view for evaluation videos, ``[size, size, 3]`` uint8 per env at `indices`: the targets
+        in their colours (the named one ringed in white) and the agent as a white dot with a grey
+        success circle. The policy's own camera image (``rgb``) shows only the targets."""
+        import numpy as np
+        frames = []
+        ys, xs = np.mgrid[0:size, 0:size]
+        px = (xs + 0.5) / size * 2 - 1                 # pixel centres in the task's [-1, 1] square
+        py = (ys + 0.5) / size * 2 - 1
+        colors = self._colors.cpu().numpy()
+        for i in indices:
+            img = np.full((size, size, 3), 24, dtype=np.uint8)
+            targets = self.targets[i].cpu().numpy()
+            goal = int(self.goal[i])
+            pos = self.pos[i].cpu().numpy()
+            for k, (tx, ty) in enumerate(targets):
+                d = np.hypot(px - tx, py - ty)
+                if k == goal:
+                    img[(d > 0.09) & (d < 0.12)] = 255
+                img[d < 0.07] = colors[k]
+            d = np.hypot(px - pos[0], py - pos[1])
+            img[np.abs(d - self.success_radius) < 0.012] = 110
+            img[d < 0.045] = 255
+            frames.append(img)
+        return frames
+
     def close(self) -> None:
         pass
 
