@@ -190,7 +190,7 @@ class Actor:
                              policy_version=self.version, incarnation=self.incarnation, env_steps=rollout.numel(),
                              base_digest=self.base_digest,
                              episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
-                             episode_successes=stats.episode_successes,
+                             episode_successes=stats.episode_successes, episode_metrics=stats.episode_metrics[-1000:],
                              collect_s=stats.collect_s, inference_s=stats.inference_s, env_s=stats.env_s,
                              synced=self._synced, time=time.time())
         self._synced = []

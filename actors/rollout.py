@@ -72,6 +72,7 @@ class RolloutStats:
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
     episode_successes: list[bool] = field(default_factory=list)
+    episode_metrics: list[dict[str, float]] = field(default_factory=list)
     collect_s: float = 0.0
     inference_s: float = 0.0
     env_s: float = 0.0
@@ -176,6 +177,7 @@ class Collector:
                 stats.episode_returns += step.episode_returns
                 stats.episode_lengths += step.episode_lengths
                 stats.episode_successes += list(step.episode_successes)
+                stats.episode_metrics += list(step.episode_metrics)
                 trunc = step.truncated & ~step.terminated
                 if val_b is not None and bool(trunc.any()):
                     # Truncated steps bootstrap from V(final observation), not from the reset

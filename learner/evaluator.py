@@ -20,6 +20,7 @@ from tensordict import TensorDict
 from shared import keys, wire
 from shared.config import Config, config_from_dict
 from shared.envs import make_env
+from shared.metrics import mean_metrics
 from shared.policies import make_policy
 from shared.security import CurveClient
 from shared.shm_weights import ShmWeightsReader, load_published_
@@ -30,20 +31,24 @@ log = logging.getLogger("tandem.evaluator")
 
 @torch.inference_mode()
 def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
-             frames: dict[int, list] | None = None, max_frames: int = 300, frame_every: int = 1
-             ) -> tuple[list[float], list[int], list[bool]]:
+             frames: dict[int, list] | None = None, max_frames: int = 300, frame_every: int = 1,
+             metrics: list[dict[str, float]] | None = None) -> tuple[list[float], list[int], list[bool]]:
     """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy.
     Returns episode returns, lengths and (for tasks that define it) successes.
 
     `frames` (evaluation videos): ``{env index: []}``; each list is filled with that env's rendered
     frames (``env.render_frames``) of its first episode, every `frame_every` steps, at most
     `max_frames`. Rendering starts at the reset state and stops when the episode ends (the
-    auto-reset state after it belongs to the next one)."""
+    auto-reset state after it belongs to the next one).
+
+    `metrics`: a list that receives the env metrics (``StepResult.episode_metrics``) of the first
+    `num_episodes` episodes, where the env reports any."""
     obs = env.reset(seed=seed)
     n = env.num_envs
     returns: list[float | None] = [None] * n
     lengths: list[int | None] = [None] * n
     successes: list[bool | None] = [None] * n
+    env_metrics: list[dict | None] = [None] * n
     ep_ret = torch.zeros(n, dtype=torch.float64)
     ep_len = torch.zeros(n, dtype=torch.int64)
     limit = env.spec.max_episode_steps or 100_000
@@ -67,6 +72,8 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
                 returns[i], lengths[i] = float(ep_ret[i]), int(ep_len[i])
                 if j < len(step.episode_successes):
                     successes[i] = bool(step.episode_successes[j])
+                if j < len(step.episode_metrics):
+                    env_metrics[i] = step.episode_metrics[j]
         ep_ret[done] = 0.0
         ep_len[done] = 0
         obs = step.obs
@@ -74,6 +81,9 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
             break
         if recording:
             capture(t + 1)
+    if metrics is not None:
+        done_ids = [i for i in range(n) if returns[i] is not None][:num_episodes]
+        metrics.extend(env_metrics[i] for i in done_ids if env_metrics[i])
     return ([r for r in returns if r is not None][:num_episodes], [n for n in lengths if n is not None][:num_episodes],
             [x for x in successes if x is not None][:num_episodes])
 
@@ -182,17 +192,19 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 continue
             t0 = time.perf_counter()
             frames = video.buffers() if video.wants(count, final) else None
+            env_metrics: list[dict] = []
             try:
                 returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count,
                                                        frames=frames, max_frames=t.video.max_frames,
-                                                       frame_every=t.video.frame_every)
+                                                       frame_every=t.video.frame_every, metrics=env_metrics)
             except Exception as e:
                 if frames is None:
                     raise
                 # the renderer failed: say so, stop recording, and evaluate without it
                 log.warning("evaluator: rendering failed (%s: %s); videos are off for this run", type(e).__name__, e)
-                video.enabled, frames = False, None
-                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count)
+                video.enabled, frames, env_metrics = False, None, []
+                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count,
+                                                       metrics=env_metrics)
             version = meta.get("version")
             if frames and isinstance(version, int) and not isinstance(version, bool):   # it names the files
                 video.write(frames, version, steps)
@@ -201,6 +213,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
             last = dict(kind="eval", sender="evaluator", token=token, version=meta.get("version"), env_steps=steps,
                         returns=returns, lengths=lengths, successes=successes, final=final,
+                        metrics=mean_metrics(env_metrics),
                         eval_s=time.perf_counter() - t0)
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
     finally:

@@ -27,6 +27,7 @@ from tensordict import TensorDictBase
 
 from shared import keys, wire
 from shared.envs import EnvSpec
+from shared.metrics import clean_metrics
 
 if TYPE_CHECKING:
     from learner.learner import Learner
@@ -85,8 +86,12 @@ def check_eval(meta: dict) -> dict:
     successes = meta.get("successes") or []
     if not (isinstance(successes, list) and all(isinstance(x, bool) for x in successes)):
         raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: successes must be booleans")
+    metrics = meta.get("metrics")
+    if metrics is not None and not isinstance(metrics, dict):
+        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: metrics must be a map of numbers")
     return {"returns": [float(r) for r in returns], "lengths": lengths, "successes": successes,
-            "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final"))}
+            "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final")),
+            "metrics": clean_metrics(metrics)}
 
 
 def message_limits(template: TensorDictBase) -> tuple[int, int]:
@@ -265,6 +270,9 @@ class Intake:
             successes = meta.get("episode_successes")
             if isinstance(successes, list):
                 learner._successes.extend(x for x in successes[:10_000] if isinstance(x, bool))
+            metrics = meta.get("episode_metrics")
+            if isinstance(metrics, list):   # bounded and cleaned: a peer cannot flood the logs
+                learner._metrics.extend(m for m in map(clean_metrics, metrics[:1_000]) if m)
             for r, n in list(zip(returns, lengths))[:10_000]:
                 if _is_num(r) and _is_int(n) and math.isfinite(r):
                     learner._episodes.append((float(r), n))

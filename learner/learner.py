@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from learner.distributed import Ranks
 from shared.config import Config
 from shared.envs import EnvSpec, make_env
+from shared.metrics import clean_metrics, mean_metrics
 from shared.policies import (frozen_digest, has_critic, load_weights_, make_policy, published_state,
                              weights_digest, weights_td)
 from shared.policies.normalization import RewardScaler
@@ -161,6 +162,7 @@ class Learner:
         self._failed_in_a_row = 0
         self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
         self._successes: deque[bool] = deque(maxlen=100)
+        self._metrics: deque[dict[str, float]] = deque(maxlen=100)   # env metrics of recent episodes
         n_act = cfg.actors.num_actors
         self.finished_per_actor = [0] * n_act      # rollouts consumed or dropped, per actor (pacing)
         self._steps_per_actor = [0] * n_act         # env steps received, per actor
@@ -527,6 +529,9 @@ class Learner:
             successes = list(self._successes)
         if successes:
             values["train/success_rate"] = sum(successes) / len(successes)
+        with self._lock:
+            metrics = list(self._metrics)
+        values.update({f"train/metrics/{k}": v for k, v in mean_metrics(metrics).items()})
         lagf = lags.float()
         values.update({"lag/mean": float(lagf.mean()), "lag/max": float(lagf.max()), "lag/min": float(lagf.min())})
         values.update({"perf/sps": env_steps / max(elapsed, 1e-9), "perf/update_s": update_s,
@@ -571,9 +576,11 @@ class Learner:
         mean = sum(returns) / len(returns)
         std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
         successes = meta.get("successes") or []
+        metrics = clean_metrics(meta.get("metrics"))
         self.last_eval = {"eval/return_mean": mean, "eval/return_std": std,
                           "eval/length_mean": sum(lengths) / max(len(lengths), 1),
                           **({"eval/success_rate": sum(successes) / len(successes)} if successes else {}),
+                          **{f"eval/metrics/{k}": v for k, v in metrics.items()},
                           "env_steps": int(meta.get("env_steps", self.env_steps)),
                           "version": int(meta.get("version", -1)), "time": time.time()}
         if self.logger is not None:

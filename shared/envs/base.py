@@ -67,6 +67,7 @@ class StepResult(NamedTuple):
     episode_returns: list[float]     # episodes that ended on this step (undiscounted, raw reward)
     episode_lengths: list[int]
     episode_successes: list[bool] | tuple = ()   # for tasks that define success, per ended episode
+    episode_metrics: list[dict[str, float]] | tuple = ()   # per ended episode, shared/metrics.py bounds
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shared.envs.base import ActionSpec, EnvSpec, StepResult
+from shared.metrics import clean_metrics
 
 
 def _spec_of(env: gym.vector.VectorEnv) -> EnvSpec:
@@ -56,6 +57,7 @@ class GymBatchedEnv:
             self._high = np.asarray(act.high, dtype=np.float32).reshape(act.shape)
         self._ep_return = np.zeros(num_envs, dtype=np.float64)
         self._ep_length = np.zeros(num_envs, dtype=np.int64)
+        self._reward_sums: dict[str, np.ndarray] = {}   # per reward component, per env, this episode
 
     def _obs(self, obs: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(obs)).to(self.spec.obs_dtype)
@@ -64,7 +66,45 @@ class GymBatchedEnv:
         obs, _ = self._env.reset(seed=seed)
         self._ep_return[:] = 0.0
         self._ep_length[:] = 0
+        self._reward_sums = {}
         return self._obs(obs)
+
+    def _step_info(self, info: dict, done: np.ndarray) -> dict[str, np.ndarray]:
+        """This step's numeric per-env info entries ``{key: [N]}`` (NaN where an env did not report
+        it): the step's own info, which for envs that just ended is ``final_info`` (SAME_STEP
+        auto-reset puts the reset info in ``info``)."""
+        n = self.num_envs
+        out: dict[str, np.ndarray] = {}
+        final = info.get("final_info") if done.any() else None
+        for src, rows in ((info, ~done), (final, done)):
+            if not isinstance(src, dict):
+                continue
+            for k, v in src.items():
+                if k.startswith("_") or k in ("final_obs", "final_info") or not isinstance(v, np.ndarray):
+                    continue
+                if v.shape != (n,) or not (np.issubdtype(v.dtype, np.number) or v.dtype == bool):
+                    continue
+                mask = src.get("_" + k, np.ones(n, dtype=bool)) & rows
+                col = out.setdefault(k, np.full(n, np.nan))
+                col[mask] = v[mask].astype(np.float64)
+        return out
+
+    def _metrics(self, info: dict, done: np.ndarray) -> list[dict[str, float]]:
+        """Per ended episode: the final step's numeric info entries, and for reward components
+        (``reward*`` keys) their sum over the episode."""
+        step = self._step_info(info, done)
+        for k, v in step.items():
+            if k.startswith("reward"):
+                acc = self._reward_sums.setdefault(k, np.zeros(self.num_envs))
+                acc += np.nan_to_num(v)
+        out = []
+        for i in np.flatnonzero(done):
+            m = {k: (self._reward_sums[k][i] if k in self._reward_sums else v[i]) for k, v in step.items()
+                 if not np.isnan(v[i])}
+            out.append(clean_metrics(m))
+            for acc in self._reward_sums.values():
+                acc[i] = 0.0
+        return out
 
     def step(self, action: torch.Tensor) -> StepResult:
         a = action.detach().cpu().numpy()
@@ -80,6 +120,7 @@ class GymBatchedEnv:
         final_obs = obs_t
         returns: list[float] = []
         lengths: list[int] = []
+        metrics = self._metrics(info, done)
         if done.any():
             final_obs = obs_t.clone()
             idx = np.flatnonzero(done)
@@ -92,7 +133,8 @@ class GymBatchedEnv:
         return StepResult(obs=obs_t, reward=torch.from_numpy(reward.astype(np.float32)),
                           terminated=torch.from_numpy(terminated.astype(bool)),
                           truncated=torch.from_numpy(truncated.astype(bool)),
-                          final_obs=final_obs, episode_returns=returns, episode_lengths=lengths)
+                          final_obs=final_obs, episode_returns=returns, episode_lengths=lengths,
+                          episode_metrics=metrics)
 
     def render_frames(self, indices: list[int]) -> list[np.ndarray]:
         """``[H, W, 3]`` uint8 frames of the envs at `indices` (built with ``render=True``); only

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from shared.envs.base import ActionSpec, EnvSpec, StepResult
+from shared.metrics import clean_metrics
 
 PREFIX = "maniskill/"
 SETUP = "launch/setup_maniskill.sh"
@@ -263,13 +264,17 @@ class ManiSkillEnv:
         self._ep_return += reward.double()
         self._ep_len += 1
         done = terminated | truncated
-        returns, lengths, successes = [], [], []
+        returns, lengths, successes, metrics = [], [], [], []
         obs = final_obs
         if bool(done.any()):
             idx = done.nonzero().flatten()
             returns, lengths = self._ep_return[idx].tolist(), self._ep_len[idx].tolist()
             if success is not None:
                 successes = success[idx.to(success.device)].tolist()
+            # the task's own per-step flags and figures at the episode's last step (is_grasped, ...)
+            per_env = {k: v.reshape(-1) for k, v in info.items()
+                       if isinstance(v, torch.Tensor) and v.numel() == self.num_envs and k != "elapsed_steps"}
+            metrics = [clean_metrics({k: v[i] for k, v in per_env.items()}) for i in idx.tolist()]
             self._ep_return[idx] = 0.0
             self._solved[idx] = False
             self._ep_len[idx] = 0
@@ -278,7 +283,8 @@ class ManiSkillEnv:
             fresh = self._convert(raw_reset)
             obs[idx] = fresh[idx]
         return StepResult(obs=obs, reward=reward, terminated=terminated, truncated=truncated, final_obs=final_obs,
-                          episode_returns=returns, episode_lengths=lengths, episode_successes=successes)
+                          episode_returns=returns, episode_lengths=lengths, episode_successes=successes,
+                          episode_metrics=metrics)
 
     def render_frames(self, indices: list[int]) -> list:
         """``[H, W, 3]`` uint8 frames of ManiSkill's human-view camera for the envs at `indices`

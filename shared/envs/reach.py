@@ -125,17 +125,19 @@ class Reach:
         truncated = (self.t >= self.max_episode_steps) & ~terminated
         done = terminated | truncated
         final_obs = self._obs()
-        returns, lengths, successes = [], [], []
+        returns, lengths, successes, metrics = [], [], [], []
         if bool(done.any()):
             idx = done.nonzero().squeeze(-1)
             returns, lengths = self.ep_return[idx].tolist(), self.t[idx].tolist()
             successes = success[idx].tolist()
+            metrics = [{"final_distance": d} for d in dist[idx].tolist()]
             self._sample(idx, self._gen)
             obs = self._obs()
         else:
             obs = final_obs
         return StepResult(obs=obs, reward=reward, terminated=terminated, truncated=truncated, final_obs=final_obs,
-                          episode_returns=returns, episode_lengths=lengths, episode_successes=successes)
+                          episode_returns=returns, episode_lengths=lengths, episode_successes=successes,
+                          episode_metrics=metrics)
 
     def render_frames(self, indices: list[int], size: int = 128) -> list:
         """A view for evaluation videos, ``[size, size, 3]`` uint8 per env at `indices`: the targets
