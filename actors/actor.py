@@ -91,6 +91,8 @@ class Actor:
         capacity = max(t.buffer_capacity, k)
         self.max_inflight = max(math.ceil(k / n), min(math.ceil(max(1, t.max_policy_lag) * k / n), capacity // n))
         self.pace = t.buffer_type == "vla" and t.lag_policy == "pace"
+        # in-flight weight updates: vla mode only (standard mode trains each version on its own data)
+        self.in_flight = t.buffer_type == "vla" and cfg.actors.weights_at == "step"
 
     # ------------------------------------------------------------------ weights
     def _poll(self, timeout_ms: int = 0) -> bool:
@@ -221,8 +223,21 @@ class Actor:
 
     def _between_steps(self) -> bool:
         """Asked between env steps: True to abandon the rollout (stop signal or stop message).
-        Weights that arrive mid-rollout are kept for the next rollout boundary, never loaded here."""
+        With ``weights_at: rollout``, weights that arrive mid-rollout wait for the next rollout
+        boundary; with ``step`` they are loaded by :meth:`_refresh`, right after this."""
         return self.stop_event.is_set() or not self._poll(0)
+
+    def _refresh(self) -> int | None:
+        """``weights_at: step``: load the newest due weights between two env steps (the collector
+        is not inside the policy now) and return the version the next step acts with. A load that
+        left the policy torn waits for the next whole version: no step acts with a mixed model."""
+        self._load_due()
+        if self._torn and not self._wait_for_version(self.version):
+            return None               # stopped or gave up while waiting: the rollout is abandoned
+        if self._new_version:         # the weight-sync delay ends at the first action with it
+            self._synced.append([self.version, self._received_at, time.time()])
+            self._new_version = False
+        return self.version
 
     def _inflight(self) -> int:
         """This actor's rollouts sent but not yet consumed or dropped by the learner, as far as we know."""
@@ -281,7 +296,8 @@ class Actor:
             self._synced.append([self.version, self._received_at, time.time()])
             self._new_version = False
         self._wait_storage_free(self.collector.next_index)
-        out = self.collector.collect(self.version, reset_seeds=self._group_seeds(), should_stop=self._between_steps)
+        out = self.collector.collect(self.version, reset_seeds=self._group_seeds(), should_stop=self._between_steps,
+                                     refresh=self._refresh if self.in_flight else None)
         if out is None:
             return False
         rollout, stats, index = out

@@ -119,11 +119,16 @@ class Collector:
 
     @torch.inference_mode()
     def collect(self, version: int, reset_seeds: list[int] | None = None,
-                should_stop: Callable[[], bool] | None = None) -> tuple[TensorDict, RolloutStats, int] | None:
-        """Fill the next storage with T steps acted by weight version `version`. With
+                should_stop: Callable[[], bool] | None = None,
+                refresh: Callable[[], int | None] | None = None) -> tuple[TensorDict, RolloutStats, int] | None:
+        """Fill the next storage with T steps, the first acted by weight version `version`. With
         `reset_seeds` (one per env), every env is reset first with its seed (GRPO groups).
         `should_stop` is asked between steps (a slow model must not delay shutdown by a whole
         rollout); when it says yes the partial rollout is abandoned and None returned.
+        `refresh` (in-flight weight updates) is called before every step after the first; it may
+        load newer weights into the policy and returns the version the next step acts with (None:
+        abandon the rollout). Each
+        step's ``policy_version`` is the version that chose its action.
 
         Returns ``(rollout, stats, index)``: the rollout aliases storage ``index``, which the
         caller must not let be refilled while it is still being sent.
@@ -135,6 +140,7 @@ class Collector:
         if reset_seeds is not None:
             self.obs = self.env.reset(seed=reset_seeds).to(self.device)
         obs_b, act_b, logp_b = out[keys.OBS], out[keys.ACTION], out[keys.LOG_PROB]
+        ver_b = out[keys.POLICY_VERSION]
         rew_b, term_b, trunc_b = out[keys.REWARD], out[keys.TERMINATED], out[keys.TRUNCATED]
         val_b = out[keys.VALUE] if self.with_value else None
         nval_b = out[keys.NEXT_VALUE] if self.with_value else None
@@ -148,6 +154,12 @@ class Collector:
         for t in range(self.num_steps):
             if should_stop is not None and should_stop():
                 return None
+            if refresh is not None:
+                if t > 0:
+                    version = refresh()
+                    if version is None:      # stopped while waiting for whole weights: abandon
+                        return None
+                ver_b[:, t] = version
             ti = time.perf_counter()
             td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
             action = td[keys.ACTION]
@@ -198,7 +210,8 @@ class Collector:
         if boot_b is not None:   # the observation after the last step, where that step did not end an episode
             open_end = ~done_b[:, -1]
             boot_b[open_end, -1] = self.obs[open_end]
-        out[keys.POLICY_VERSION].fill_(version)
+        if refresh is None:
+            ver_b.fill_(version)
         if self._dev is not None:
             self._host[idx].update_(out, non_blocking=True)
             if self.device.type == "cuda":

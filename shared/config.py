@@ -87,13 +87,15 @@ class TrainerConfig:
     """Circular buffer capacity, in rollouts (vla mode)."""
     max_policy_lag: Annotated[int, Range(ge=0)] = 4
     """vla mode: rollouts older than this many versions are dropped (counted)."""
-    lag_policy: Literal["drop", "pace"] = "drop"
-    """vla mode. drop: actors run free; data older than max_policy_lag is dropped (which favours
-    short episodes: long ones take longer to send). pace: an actor keeps at most
+    lag_policy: Literal["drop", "pace"] = "pace"
+    """vla mode. pace (default): an actor keeps at most
     min(ceil(max_policy_lag x rollouts_per_update / num_actors), buffer_capacity // num_actors) of
     its rollouts unconsumed at the learner (never fewer than one update needs) and waits for the
-    learner before collecting more, so data arrives young instead of being thrown away or
-    overwritten (anything older than max_policy_lag is still dropped)."""
+    learner before collecting more: staleness is bounded by admission, so data arrives young
+    instead of being thrown away or overwritten, and every actor's share of the trained data is
+    its share of the collected data (anything older than max_policy_lag is still dropped, and
+    counted). drop: actors run free and data older than max_policy_lag is dropped; biased, since
+    it favours short episodes and fast actors (a slow actor's rollouts arrive old)."""
     record: bool = False
     """Store every batch the learner trains on (tensordict memmap under RUN_DIR/record, with its
     order and versions) so that ``launch/replay.py`` can retrain on exactly the same data."""
@@ -121,6 +123,13 @@ class ActorsConfig:
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     """Actor i runs on devices[i % len(devices)]."""
     sync_every: Annotated[int, Range(ge=1)] = 1
+    weights_at: Literal["rollout", "step"] = "rollout"
+    """When an actor takes new weights (vla mode). rollout: only between rollouts, so a whole
+    rollout is acted by one version. step: between env steps too, as soon as a newer version
+    arrives (a non-blocking poll per step), so a long rollout of a slow policy is not acted by
+    weights several versions old. Each step records the version that acted either way; a model
+    is never used half-loaded (a torn shared-memory read waits for the next version). Standard
+    mode is always on-policy and ignores it."""
     """Take new weights at most every this many rollouts (newest version only)."""
     weights_delay_s: Annotated[float, Range(ge=0)] = 0.0
     """Injected delay on weight delivery: an actor may only load a weights message that arrived at
@@ -510,6 +519,9 @@ def _check(cfg: Config) -> list[str]:
         if cfg.rollouts_per_update % world:
             errors.append(f"trainer.rollouts_per_update: {cfg.rollouts_per_update} is not a multiple of the "
                           f"{world} learner ranks (learner.devices); each rank trains on its share")
+    if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
+        errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
+                      f"{a.sync_every} asks to hold weights for several rollouts: choose one")
     bad_ids = [i for i in a.slow_actor_ids if i >= a.num_actors]  # negative ids are out of Range
     if bad_ids:
         errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")
