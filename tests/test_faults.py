@@ -236,7 +236,7 @@ def test_overloaded_learner_keeps_memory_bounded_and_counts_every_drop(tmp_path)
     run_dir = tmp_path / "run"
     run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.buffer_type=vla", "--set", "algorithm.cfg.n_epochs=40",
-                 "--set", "trainer.buffer_capacity=2")
+                 "--set", "trainer.buffer_capacity=2", "--set", "trainer.lag_policy=drop")
     samples: dict[str, list[int]] = {"learner": [], "actors": []}
     try:
         assert run.wait(120, until=lambda: _publish_count(run_dir) >= 3) is None, run.output()
