@@ -216,6 +216,15 @@ class Run:
                 return lag
         return None
 
+    @property
+    def multi_version_share(self) -> float | None:
+        """Share of consumed rollouts acted by more than one weight version (in-flight weight
+        updates, ``actors.weights_at: step``): their ``lag_hist`` has more than one entry."""
+        hists = [r.get("lag_hist") for r in self.consumed if isinstance(r.get("lag_hist"), list)]
+        if not hists:
+            return None
+        return sum(1 for h in hists if len(h) > 1) / len(hists)
+
     def drop_share(self, reasons: Iterable[str]) -> float | None:
         """Share of the rollouts received (consumed or dropped) that were dropped for one of `reasons`."""
         received = len(self.consumed) + len(self.dropped)
@@ -673,8 +682,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-TABLE_HEADER = ("run", "env", "buffer", "sync every", "weights delay (s)", "lag policy", "correction",
+TABLE_HEADER = ("run", "env", "buffer", "sync every", "weights at", "weights delay (s)", "lag policy", "correction",
                 "env steps", "updates", "wall (s)", "final return", "mean lag", "max lag", "p95 lag",
+                "rollouts with >1 version",
                 "dropped (lag)", "overwritten", "sync delay (ms)", "episode length consumed / dropped")
 
 
@@ -687,6 +697,7 @@ def table_row(run: Run) -> list[str]:
         _fmt_value(run.setting("env", "id")),
         _fmt_value(run.setting("trainer", "buffer_type")),
         _fmt_value(run.setting("actors", "sync_every")),
+        _fmt_value(run.setting("actors", "weights_at", default="rollout")),
         _fmt_value(run.setting("actors", "weights_delay_s")),
         _fmt_value(run.setting("trainer", "lag_policy")),
         run.correction,
@@ -697,6 +708,7 @@ def table_row(run: Run) -> list[str]:
         MISSING if run.mean_lag is None else f"{run.mean_lag:.2f}",
         _fmt_value(run.max_lag),
         _fmt_value(run.lag_quantile(0.95)),
+        _fmt_share(run.multi_version_share),
         _fmt_share(run.drop_share(LAG_DROP_REASONS)),
         _fmt_share(run.drop_share(["overwritten"])),
         MISSING if run.mean_sync_delay_ms is None else f"{run.mean_sync_delay_ms:.1f}",
@@ -715,12 +727,13 @@ def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]]) -> s
         lines.append(f"- **{_cell(run.label)}**: `{run.path}`" + (f" ({extra})" if extra else ""))
     lines += ["", "## Summary", "",
               "| " + " | ".join(TABLE_HEADER) + " |",
-              "|" + "|".join("---" if i < 7 else "---:" for i in range(len(TABLE_HEADER))) + "|"]
+              "|" + "|".join("---" if i < 8 else "---:" for i in range(len(TABLE_HEADER))) + "|"]
     lines += ["| " + " | ".join(_cell(c) for c in table_row(run)) + " |" for run in runs]
     lines += ["",
               (f"Final return: mean of the last {FINAL_EVALS} evaluations. Lags are over consumed samples. "
                "Dropped (lag): share of received rollouts dropped as too old (reasons `lag` and `stale`); "
-               "overwritten: share replaced in the buffer before use. Sync delay: mean over sync events. "
+               "overwritten: share replaced in the buffer before use. Rollouts with >1 version: consumed "
+               "rollouts acted by several weight versions (actors.weights_at step). Sync delay: mean over sync events. "
                "Episode length: mean over episodes ending in consumed / dropped rollouts."), ""]
     notes = [(run, run.data_notes()) for run in runs]
     if any(n for _, n in notes):

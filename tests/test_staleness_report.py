@@ -120,6 +120,10 @@ def test_two_runs(tmp_path: Path) -> None:
     assert rows["run A"]["sync delay (ms)"] == "15.0"
     assert rows["run A"]["episode length consumed / dropped"] == "32.0 / 10.0"
     assert rows["run B"]["correction"] == "vtrace"
+    # every synthetic rollout of run A was acted by two versions (lag_hist has two entries); B has no hist
+    assert rows["run A"]["rollouts with >1 version"] == "100.0%"
+    assert rows["run B"]["rollouts with >1 version"] == staleness.MISSING
+    assert rows["run A"]["weights at"] == "rollout"
     assert "skipped 1 line(s) of versions.jsonl" in report
     assert "no sync events recorded" in report and "nothing dropped" in report
     for name in FIGURES:
