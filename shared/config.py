@@ -129,7 +129,10 @@ class ActorsConfig:
     arrives (a non-blocking poll per step), so a long rollout of a slow policy is not acted by
     weights several versions old. Each step records the version that acted either way; a model
     is never used half-loaded (a torn shared-memory read waits for the next version). Standard
-    mode is always on-policy and ignores it."""
+    mode is always on-policy and ignores it. GRPO: a group's members are envs of one actor, so at
+    every step they all act with the same version; with step, that version may change mid-episode,
+    for the whole group at once, and the group's advantage then compares returns earned under the
+    same sequence of versions."""
     """Take new weights at most every this many rollouts (newest version only)."""
     weights_delay_s: Annotated[float, Range(ge=0)] = 0.0
     """Injected delay on weight delivery: an actor may only load a weights message that arrived at
