@@ -273,7 +273,10 @@ class LearnerRun:
         if exit_code != 0 or self.stop.is_set() or proc is None:
             return
         learner.publish(final=True)
-        deadline, republish = time.time() + 120, time.time() + 5
+        video = self.cfg.trainer.video
+        # rendering the final evaluation's video (software GL: ~0.1-0.3 s a frame here) gets its own time
+        grace = 120 + (0.5 * video.max_frames * video.episodes if video.every else 0)
+        deadline, republish = time.time() + grace, time.time() + 5
         while time.time() < deadline and proc.is_alive() and not self.stop.is_set() and self.receiver.is_alive():
             self.publisher.serve_subscriptions()
             if time.time() > republish:   # a busy evaluator's full queue may have dropped it
@@ -316,7 +319,7 @@ class LearnerRun:
         summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
                    "updates": learner.updates, "wall_s": time.time() - learner.start_time, **learner.counts,
                    "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
-                   **({f"last_eval/{k.split('/')[-1]}": v for k, v in learner.last_eval.items()}
+                   **({f"last_eval/{k.removeprefix('eval/')}": v for k, v in learner.last_eval.items()}
                       if learner.last_eval else {}),
                    "incarnation": learner.incarnation,
                    "resumed_from": str(learner.resumed_from) if learner.resumed_from else None,
