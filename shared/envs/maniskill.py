@@ -78,8 +78,22 @@ def use_local_vulkan() -> bool:
         except OSError:
             pass
     if not os.environ.get("XDG_RUNTIME_DIR") or not os.path.isdir(os.environ["XDG_RUNTIME_DIR"]):
-        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tandem-xdg-")   # 0700, as Vulkan wants
+        os.environ["XDG_RUNTIME_DIR"] = _runtime_dir()
     return True
+
+
+def _runtime_dir() -> str:
+    """One private runtime directory per user, reused by every process and run (a fresh temporary
+    directory per process would be left behind by each one): 0700 and ours, as Vulkan wants."""
+    path = os.path.join(tempfile.gettempdir(), f"tandem-xdg-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not (os.path.isdir(path) and not os.path.islink(path) and st.st_uid == os.getuid()
+                and (st.st_mode & 0o077) == 0):
+            return tempfile.mkdtemp(prefix="tandem-xdg-")   # someone else's or unsafe: a private one
+    return path
 
 
 def import_maniskill():
