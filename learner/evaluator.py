@@ -148,13 +148,15 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     torch.set_num_threads(1)
     cfg: Config = config_from_dict(cfg_dict, source=source)
     t = cfg.trainer
-    if t.video.every > 0 and not os.environ.get("DISPLAY"):
-        os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
+    if t.video.every > 0:
+        if not os.environ.get("DISPLAY"):
+            os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
+        os.environ.setdefault("LP_NUM_THREADS", "1")    # Mesa's software rasteriser: one thread, not one per core
     env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu", render=t.video.every > 0)
     policy = make_policy(cfg, env.spec).eval()
     video = VideoRecorder(cfg, run_dir, env)
     if video.enabled:
-        os.nice(10)   # rendering is slow: it must take CPU from training only when training leaves some
+        os.nice(19)   # rendering is slow: it must take CPU from training only when training leaves some
     ctx = zmq.Context()
     client = CurveClient.from_strings(curve) if curve is not None else None
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=client)

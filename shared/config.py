@@ -61,7 +61,7 @@ class VideoConfig:
     (``eval/video/ep<i>``). Needs PyAV (``pip install -e '.[video]'``) and an env that renders:
     gymnasium envs through ``render_mode="rgb_array"`` (MuJoCo: set ``MUJOCO_GL=egl`` where there is
     no display), ``tandem/Reach-v0`` from its camera image. Rendering slows only the evaluator, which
-    then runs at a lower CPU priority."""
+    then runs at the lowest CPU priority (nice 19) with one software-rasteriser thread."""
     every: Annotated[int, Range(ge=0)] = 0
     """Record every this many evaluations (1: all), plus the final one; 0: no videos."""
     episodes: Annotated[int, Range(ge=1)] = 1
