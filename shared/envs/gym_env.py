@@ -91,7 +91,16 @@ class GymBatchedEnv:
 
     def _metrics(self, info: dict, done: np.ndarray) -> list[dict[str, float]]:
         """Per ended episode: the final step's numeric info entries, and for reward components
-        (``reward*`` keys) their sum over the episode."""
+        (``reward*`` keys) their sum over the episode. On a step where no episode ends only the
+        reward components are accumulated (this runs in the actor's step loop)."""
+        if not done.any():
+            for k, v in info.items():
+                if (k.startswith("reward") and isinstance(v, np.ndarray) and v.shape == (self.num_envs,)
+                        and np.issubdtype(v.dtype, np.number)):
+                    acc = self._reward_sums.setdefault(k, np.zeros(self.num_envs))
+                    mask = info.get("_" + k)
+                    acc += np.where(mask, v, 0.0) if isinstance(mask, np.ndarray) else v
+            return []
         step = self._step_info(info, done)
         for k, v in step.items():
             if k.startswith("reward"):
