@@ -66,12 +66,8 @@ def test_torch_pendulum_matches_gymnasium_dynamics():
         assert step.reward[0].item() == pytest.approx(ref_r, rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.parametrize("env_id", ["Pendulum-v1", "tandem/Pendulum-v0"])
-def test_collector_bootstraps_truncation_from_final_observation(env_id):
-    cfg = cfg_for(env_id, max_episode_steps=5)
-    env = make_env(env_id, 2, cfg.env.cfg)
-    policy = make_policy(cfg, env.spec)
-    col = Collector(env, policy, num_steps=12, seed=0)
+def record_final_obs(env) -> list:
+    """Wrap ``env.step`` so that every step's ``final_obs`` is appended to the returned list."""
     finals = []
     step_fn = env.step
 
@@ -81,6 +77,16 @@ def test_collector_bootstraps_truncation_from_final_observation(env_id):
         return out
 
     env.step = recording_step
+    return finals
+
+
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "tandem/Pendulum-v0"])
+def test_collector_bootstraps_truncation_from_final_observation(env_id):
+    cfg = cfg_for(env_id, max_episode_steps=5)
+    env = make_env(env_id, 2, cfg.env.cfg)
+    policy = make_policy(cfg, env.spec)
+    col = Collector(env, policy, num_steps=12, seed=0)
+    finals = record_final_obs(env)
     td, stats, _ = col.collect(version=3)
     assert td.batch_size == torch.Size([2, 12])
     assert (td[keys.POLICY_VERSION] == 3).all()
@@ -110,15 +116,7 @@ def test_collector_sends_the_observation_each_bootstrap_needs(env_id):
     env = make_env(env_id, 3, cfg.env.cfg)
     policy = make_policy(cfg, env.spec)
     col = Collector(env, policy, num_steps=12, seed=0, bootstrap_obs=True)
-    finals = []
-    step_fn = env.step
-
-    def recording_step(action):
-        out = step_fn(action)
-        finals.append(out.final_obs.clone())
-        return out
-
-    env.step = recording_step
+    finals = record_final_obs(env)
     for _ in range(2):                               # the second rollout reuses a storage: re-zeroed
         finals.clear()
         td, _, _ = col.collect(version=0)
