@@ -193,7 +193,7 @@ class Actor:
                              base_digest=self.base_digest,
                              episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
                              episode_successes=stats.episode_successes, episode_metrics=stats.episode_metrics[-1000:],
-                             collect_s=stats.collect_s, inference_s=stats.inference_s, env_s=stats.env_s,
+                             collect_s=stats.collect_s, collect_cpu_s=stats.collect_cpu_s, inference_s=stats.inference_s, env_s=stats.env_s,
                              synced=self._synced, time=time.time())
         self._synced = []
         deadline = time.monotonic() + self.learner_timeout_s

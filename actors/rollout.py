@@ -74,6 +74,7 @@ class RolloutStats:
     episode_successes: list[bool] = field(default_factory=list)
     episode_metrics: list[dict[str, float]] = field(default_factory=list)
     collect_s: float = 0.0
+    collect_cpu_s: float = 0.0   # CPU time of the collecting thread (policy and env steps, not sleeps)
     inference_s: float = 0.0
     env_s: float = 0.0
 
@@ -133,7 +134,7 @@ class Collector:
         Returns ``(rollout, stats, index)``: the rollout aliases storage ``index``, which the
         caller must not let be refilled while it is still being sent.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         idx = self._next
         self._next = (self._next + 1) % len(self._host)
         out = self._dev if self._dev is not None else self._host[idx]
@@ -218,4 +219,5 @@ class Collector:
                 torch.cuda.current_stream(self.device).synchronize()
         self.env_steps += n * self.num_steps
         stats.collect_s = time.perf_counter() - t0
+        stats.collect_cpu_s = time.thread_time() - c0
         return self._host[idx], stats, idx

@@ -219,14 +219,14 @@ def run_thread_variant(args) -> Result:
 
     from actors.rollout import Collector, sends_bootstrap_obs
     from learner.evaluator import evaluate
-    from learner.learner import Learner, ListPublisher
+    from learner.learner import Learner, ListPublisher, learner_threads
     from shared.config import load_config
     from shared.envs import make_env
 
     label, buffer_type, actors, kind = VARIANTS["thread"]
     res = Result("thread", label, kind, buffer_type, actors)
     cfg = load_config(args.config, variant_overrides(args, buffer_type, actors))
-    torch.set_num_threads(cfg.learner.torch_threads)   # as the learner and actor processes do
+    torch.set_num_threads(learner_threads(cfg))   # as the learner and actor processes do
     lock = threading.Lock()
     latency = cfg.actors.inference_latency_s
 

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from learner.learner import Learner, ListPublisher  # noqa: E402
+from learner.learner import Learner, ListPublisher, learner_threads  # noqa: E402
 from learner.logs import RunLogger  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ConfigError, load_config, save_config  # noqa: E402
@@ -89,7 +89,7 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
                           f"(a resumed run): replaying it from fresh weights would not be the same training")
     if max_updates is not None:
         entries = entries[:max_updates]
-    torch.set_num_threads(cfg.learner.torch_threads)   # as the learner process: same float sums, same bits
+    torch.set_num_threads(learner_threads(cfg))   # as the learner process: same float sums, same bits
     logger = None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

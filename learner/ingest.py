@@ -39,6 +39,7 @@ MAX_ABS_VALUE = 1e8   # larger floats in a rollout are refused: they overflow th
 # actor of ours produces one. LOG_STD_RANGE bounds the log standard deviation a sane policy acts with.
 Z_MAX = 10.0
 LOG_STD_RANGE = (-20.0, 20.0)
+MAX_COLLECT_S = 86_400.0   # an actor's reported seconds for one rollout beyond this are not believed
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 LOG_EVERY = 1000      # after the first 10, log one refusal in this many: a flood must not flood the log
 
@@ -260,7 +261,11 @@ class Intake:
         incarnation = meta.get("incarnation")
         other_learner = incarnation is not None and incarnation != learner.incarnation
         self.note_syncs(actor, meta.get("synced"))
+        spent = {"collect_wall_s": meta.get("collect_s"), "collect_cpu_s": meta.get("collect_cpu_s")}
         with learner._lock:
+            for k, v in spent.items():   # the actor's own account: only plausible numbers are added
+                if _is_num(v) and math.isfinite(v) and 0 <= v <= MAX_COLLECT_S:
+                    learner.time_totals[k] += float(v)
             learner.env_steps += td.numel()
             learner._steps_per_actor[actor] += td.numel()
             learner.counts["rollouts"] += 1

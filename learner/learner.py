@@ -15,6 +15,7 @@ Only the main thread touches the policy and the optimiser. The receiver thread t
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import logging
 import math
@@ -74,6 +75,25 @@ class ListPublisher:
 
 
 MAX_FAILED_UPDATES = 10   # updates in a row with no finite optimiser step before the run stops
+
+
+def learner_threads(cfg: Config) -> int:
+    """``learner.torch_threads`` as a number: "auto" resolves to the cores this process may use, less
+    one per actor in vla mode (they collect while the learner trains; in standard mode they wait for
+    every update), shared among the learner ranks on this host (torchrun's LOCAL_WORLD_SIZE); at least 1."""
+    threads = cfg.learner.torch_threads
+    if threads != "auto":
+        return int(threads)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:           # not on Linux
+        cores = os.cpu_count() or 1
+    busy = 0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, (cores - busy) // ranks)
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
@@ -154,6 +174,10 @@ class Learner:
         self.updates = 0
         self.counts = {"rollouts": 0, "dropped_lag": 0, "overwritten": 0, "dropped_other": 0, "malformed": 0,
                        "rejected": 0, "skipped_steps": 0, "failed_updates": 0}
+        # Where the time goes, in seconds over the run: the updates' wall and CPU time (every thread of
+        # this process while it updates), and what the actors report of their collection (wall, and
+        # the CPU time of the thread that steps the envs and runs the policy).
+        self.time_totals = {"update_wall_s": 0.0, "update_cpu_s": 0.0, "collect_wall_s": 0.0, "collect_cpu_s": 0.0}
         # This life of the learner: a new one after every restart (--resume too). Weights messages
         # carry it, so that actors take a restarted learner's versions even when they are lower.
         self.incarnation = uuid.uuid4().hex[:16]
@@ -436,11 +460,15 @@ class Learner:
         """One update on `k` rollouts ``[k, N, T]``; bumps the version and publishes.
 
         `reward_std` (replay only) replaces the reward scaler's running std with a recorded one."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         a = self.algo
         lags = torch.cat([(self.version - data[i][keys.POLICY_VERSION]).reshape(-1) for i in range(len(infos))])
         for info in infos:
             self._version_event("consume", info)
+        # pace: the actors hear now, not with the next weights, that these rollouts are taken, so
+        # each may collect its next rollout while this update runs (with max_inflight 1: a pipeline
+        # of depth one, every sample trained by the version after the one that acted).
+        self.maybe_send_credit(min_interval_s=0.0)
         if self.reward_scaler is not None and reward_std is None and not self.grpo:
             # once, before recording: the replay must scale with exactly the std this update uses
             reward_std = self.reward_scaler.std(self.ranks.all_reduce_sum if self.ranks else None)
@@ -485,7 +513,11 @@ class Learner:
         if self._digests is not None:
             self._write_digest()
         update_s = time.perf_counter() - t0
-        self._log_update(stats, lags, update_s, infos)
+        update_cpu_s = time.process_time() - c0
+        with self._lock:
+            self.time_totals["update_wall_s"] += update_s
+            self.time_totals["update_cpu_s"] += update_cpu_s
+        self._log_update(stats, lags, update_s, infos, update_cpu_s)
         return stats
 
     def _note_skips(self, stats: dict[str, float]) -> None:
@@ -507,10 +539,12 @@ class Learner:
                 f"loss or gradient (version {self.version}). The data or the config (learning_rate, clip_coef, "
                 f"max_grad_norm, reward scale) is breaking the update; the last good weights are in the checkpoints.")
 
-    def _log_update(self, stats: dict[str, float], lags: torch.Tensor, update_s: float, infos: list[dict]) -> None:
+    def _log_update(self, stats: dict[str, float], lags: torch.Tensor, update_s: float, infos: list[dict],
+                    update_cpu_s: float = 0.0) -> None:
         with self._lock:
             episodes = list(self._episodes)
             counts = dict(self.counts)
+            totals = dict(self.time_totals)
             env_steps = self.env_steps
         elapsed = time.time() - self.start_time
         # loss/policy, loss/value and loss/entropy are the unweighted terms; the coefficients are in the config
@@ -535,6 +569,8 @@ class Learner:
         lagf = lags.float()
         values.update({"lag/mean": float(lagf.mean()), "lag/max": float(lagf.max()), "lag/min": float(lagf.min())})
         values.update({"perf/sps": env_steps / max(elapsed, 1e-9), "perf/update_s": update_s,
+                       "perf/update_cpu_s": update_cpu_s,
+                       **{f"perf/total/{k}": v for k, v in totals.items()},
                        "perf/learner_wait_s": self._wait_s,
                        "perf/samples_per_update": float(lags.numel())})
         rollouts = max(counts["rollouts"], 1)

@@ -26,7 +26,7 @@ import zmq
 
 from learner.distributed import ranks_from_env
 from learner.evaluator import run_evaluator
-from learner.learner import Learner
+from learner.learner import Learner, learner_threads
 from learner.logs import RunLogger
 from shared.config import Config, save_config
 from shared.console import say
@@ -89,7 +89,8 @@ class LearnerRun:
     @classmethod
     def start(cls, cfg: Config, run_dir: Path, resume: bool, evaluator: bool, discard: bool) -> LearnerRun:
         self = cls(cfg, run_dir, evaluator, discard)
-        torch.set_num_threads(cfg.learner.torch_threads)
+        self.threads = learner_threads(cfg)
+        torch.set_num_threads(self.threads)
         self.ranks = ranks_from_env(cfg.learner.devices)     # started by torchrun with several ranks
         if self.ranks is not None and discard:
             raise ValueError("--discard (the transport benchmark) runs one learner rank, not several")
@@ -119,7 +120,8 @@ class LearnerRun:
         ranks = self.ranks
         say(f"[learner{f' rank {ranks.rank}/{ranks.world}' if ranks else ''}] run dir {self.run_dir} | rollouts "
             f"{self.endpoints['rollouts']} | weights {self.publisher.endpoint} | mode {cfg.trainer.buffer_type} | "
-            f"{cfg.env.id} | incarnation {self.learner.incarnation}"
+            f"{cfg.env.id} | {self.threads} torch thread{'s' if self.threads > 1 else ''} | "
+            f"incarnation {self.learner.incarnation}"
             + (f" | resumed at v{self.learner.version}" if resume else ""))
         self._start_evaluator()
         self.receiver = threading.Thread(target=_receive_loop, name="receiver", daemon=True,
@@ -317,7 +319,9 @@ class LearnerRun:
         if self.receiver_died and exit_code == 0:
             exit_code = 1
         summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
-                   "updates": learner.updates, "wall_s": time.time() - learner.start_time, **learner.counts,
+                   "updates": learner.updates, "start_time": learner.start_time,
+                   "wall_s": time.time() - learner.start_time, **learner.counts,
+                   "learner_threads": self.threads, **{f"time/{k}": round(v, 3) for k, v in learner.time_totals.items()},
                    "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
                    **({f"last_eval/{k.removeprefix('eval/')}": v for k, v in learner.last_eval.items()}
                       if learner.last_eval else {}),

@@ -160,7 +160,14 @@ class LearnerConfig:
     rollout_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """TCP port for rollouts (0: pick a free one; endpoints.json tells actors)."""
     weights_port: Annotated[int, Range(ge=0, le=65535)] = 0
-    torch_threads: Annotated[int, Range(ge=1)] = 1
+    torch_threads: Union[Annotated[int, Range(ge=1)], Literal["auto"]] = 1
+    """Intra-op threads for the update. auto: the cores this process may use, less those busy
+    collecting while it trains: all of them in standard mode (the actors wait for every update),
+    and one per actor fewer in vla mode (the actors collect meanwhile; at least one), shared among
+    the learner ranks on this host. That counts the actors as local (launch/run_local.sh); with
+    actors on other hosts, give the number. The default is 1: for MLPs of a few hundred units more
+    threads do not pay (HalfCheetah's 256x256 update on two cores: 2.0 s with 2 threads against
+    1.3 s with 1; benchmarks/README.md). Larger models on many cores want auto or a number."""
     recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
@@ -417,6 +424,18 @@ def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return _convert(value, inner[0], path, errors)
+        # Several alternatives (e.g. an integer or "auto"): the first that takes the value wins; one
+        # of the right type but out of range reports its range, anything else the alternatives.
+        tried = []
+        for alt in inner:
+            alt_errors: list[str] = []
+            converted = _convert(value, alt, path, alt_errors)
+            if not alt_errors:
+                return converted
+            tried.append(alt_errors)
+        in_range = [e for e in tried if all(isinstance(x, _OutOfRange) for x in e)]
+        errors.extend(in_range[0] if in_range else [f"{path}: expected {_type_name(tp)}, got {value!r}"])
+        return value
     if origin is Literal:
         if value not in typing.get_args(tp):
             errors.append(f"{path}: expected one of {_type_name(tp)}, got {value!r}")

@@ -43,6 +43,55 @@ def test_gym_adapter_returns_true_final_observation_on_truncation():
     env.close()
 
 
+@pytest.mark.parametrize("env_id,kwargs,steps", [("CartPole-v1", {}, 60),
+                                                   ("HalfCheetah-v5", {"max_episode_steps": 7}, 20)])
+def test_gym_adapter_steps_exactly_as_gymnasiums_sync_vector_env(env_id, kwargs, steps):
+    """The adapter steps its envs itself (no per-step info merging); every observation, reward,
+    flag, final observation and episode return must equal SyncVectorEnv's in SAME_STEP mode."""
+    n = 3
+    env = make_env(env_id, n, kwargs)
+    ref = gym.make_vec(env_id, num_envs=n, vectorization_mode="sync",
+                       vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}, **kwargs)
+    try:
+        obs = env.reset(seed=5)
+        ref_obs, _ = ref.reset(seed=5)
+        np.testing.assert_array_equal(obs.numpy(), ref_obs.astype(np.float32))
+        g = torch.Generator().manual_seed(0)
+        ref_ret = np.zeros(n)
+        ends = 0
+        kept: list[tuple[torch.Tensor, np.ndarray]] = []   # no step's tensors may alias the next step's
+        for _ in range(steps):
+            if env.spec.action.kind == "discrete":
+                action = torch.randint(0, 2, (n,), generator=g)
+            else:
+                action = torch.rand(n, 6, generator=g) * 2 - 1
+            step = env.step(action)
+            o, r, te, tr, info = ref.step(action.numpy())
+            np.testing.assert_array_equal(step.obs.numpy(), o.astype(np.float32))
+            kept.append((step.obs, o.astype(np.float32).copy()))
+            np.testing.assert_array_equal(step.reward.numpy(), r.astype(np.float32))
+            np.testing.assert_array_equal(step.terminated.numpy(), te)
+            np.testing.assert_array_equal(step.truncated.numpy(), tr)
+            ref_ret += r
+            done = te | tr
+            if done.any():
+                idx = np.flatnonzero(done)
+                final = np.stack([info["final_obs"][i] for i in idx]).astype(np.float32)
+                np.testing.assert_array_equal(step.final_obs.numpy()[idx], final)
+                assert step.episode_returns == pytest.approx(ref_ret[idx].tolist())
+                assert len(step.episode_metrics) == len(idx)
+                ref_ret[idx] = 0.0
+                ends += len(idx)
+            else:
+                assert step.episode_returns == [] and torch.equal(step.final_obs, step.obs)
+        assert ends >= n
+        for got, want in kept:
+            np.testing.assert_array_equal(got.numpy(), want)
+    finally:
+        env.close()
+        ref.close()
+
+
 def test_gym_adapter_clips_box_actions_to_bounds():
     env = make_env("Pendulum-v1", 2)
     env.reset(seed=0)

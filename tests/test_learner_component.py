@@ -370,3 +370,56 @@ def test_standard_mode_actor_uses_weights_that_arrived_mid_rollout():
     assert len(actor._incoming) == 1 and actor.version == 0
     assert actor.step_once() and not actor.failed             # no 2 s wait for a version it holds
     assert sink.messages[-1][1]["policy_version"] == 1
+
+
+def test_learner_threads_auto_counts_the_cores_the_actors_leave(monkeypatch):
+    from learner.learner import learner_threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = small_config()
+    assert learner_threads(cfg) == 1                               # the default: one thread
+    cfg.learner.torch_threads = 3
+    assert learner_threads(cfg) == 3
+    cfg.learner.torch_threads = "auto"
+    assert learner_threads(cfg) == 8                               # standard: the actors wait for the update
+    cfg.trainer.buffer_type, cfg.actors.num_actors = "vla", 3
+    assert learner_threads(cfg) == 5                               # vla: three cores are collecting
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert learner_threads(cfg) == 2                               # shared by two learner ranks
+    cfg.actors.num_actors = 20
+    assert learner_threads(cfg) == 1                               # never fewer than one
+
+
+def test_time_totals_add_up_what_actors_report_and_ignore_implausible_values():
+    cfg = small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=10)
+    learner, _, _, actor = serial_run(cfg, updates=3)
+    totals = learner.time_totals
+    assert totals["update_wall_s"] > 0 and totals["update_cpu_s"] > 0
+    assert 0 < totals["collect_cpu_s"] <= totals["collect_wall_s"] + 0.05
+    before = dict(totals)
+    td, meta = actor.sink.messages[-1]
+    for bad in (-1.0, float("nan"), float("inf"), 1e12, "3", None, True, [1.0]):
+        learner.ingest(td.clone(), {**meta, "collect_s": bad, "collect_cpu_s": bad})
+    assert learner.time_totals["collect_cpu_s"] == before["collect_cpu_s"]
+    assert learner.time_totals["collect_wall_s"] == before["collect_wall_s"]
+
+
+def test_pace_tells_actors_their_rollouts_are_taken_before_the_update_runs():
+    """With lag_policy pace the credit for consumed rollouts goes out when the update takes them,
+    not with the next weights: an actor may collect during the update (a pipeline, lag 1)."""
+    cfg = small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=1, lag_policy="pace")
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    assert actor.step_once()
+    learner.ingest(*sink.messages[-1])
+    order = []
+    pub.send_control = lambda **meta: order.append(("control", meta))
+    publish = pub.publish
+    pub.publish = lambda td, **meta: (order.append(("weights", meta)), publish(td, **meta))
+    learner.update_once(*learner.take_batch(timeout_s=0))
+    kinds = [k for k, _ in order]
+    assert kinds == ["control", "weights"]
+    assert order[0][1]["kind"] == "credit" and order[0][1]["consumed"] == [1]

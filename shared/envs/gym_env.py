@@ -1,8 +1,6 @@
-"""gymnasium vector envs as a :class:`~shared.envs.base.BatchedEnv`, stepped in-process.
+"""gymnasium envs as a :class:`~shared.envs.base.BatchedEnv`, stepped in-process.
 
-One ``SyncVectorEnv`` per actor: on a 2-core machine a process per env is 3-7x slower. The vector
-env runs in gymnasium's SAME_STEP auto-reset mode, so the step that ends an episode returns the
-reset observation and the true final observation arrives in ``info["final_obs"]``.
+All of an actor's envs live in its process: on a 2-core machine a process per env is 3-7x slower.
 """
 
 from __future__ import annotations
@@ -36,8 +34,18 @@ def _spec_of(env: gym.vector.VectorEnv) -> EnvSpec:
                    max_episode_steps=max_steps)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.number, np.bool_)) and not isinstance(v, str)
+
+
 class GymBatchedEnv:
-    """``num_envs`` copies of a gymnasium env in one ``SyncVectorEnv``."""
+    """``num_envs`` copies of a gymnasium env, stepped one after the other in this process.
+
+    The copies are built by ``gym.make_vec`` (same wrappers, same seeding: env i gets ``seed + i``),
+    but stepped directly: ``SyncVectorEnv.step`` merges every env's info dict into arrays on every
+    step, which costs a quarter of a MuJoCo env's step. Auto-reset is SAME_STEP: the step that ends
+    an episode returns the reset observation, and its true last observation is ``final_obs``.
+    """
 
     def __init__(self, env_id: str, num_envs: int, env_kwargs: dict | None = None, render: bool = False):
         kwargs = dict(env_kwargs or {})
@@ -48,6 +56,7 @@ class GymBatchedEnv:
             self._env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
                                      vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
                                      **kwargs)
+        self._envs = list(self._env.envs)
         self.num_envs = num_envs
         self.device = torch.device("cpu")
         self.spec = _spec_of(self._env)
@@ -55,65 +64,37 @@ class GymBatchedEnv:
         if act.kind == "box":
             self._low = np.asarray(act.low, dtype=np.float32).reshape(act.shape)
             self._high = np.asarray(act.high, dtype=np.float32).reshape(act.shape)
+        obs_space = self._env.single_observation_space
+        self._obs_buf = np.zeros((num_envs, *obs_space.shape), dtype=obs_space.dtype)
         self._ep_return = np.zeros(num_envs, dtype=np.float64)
         self._ep_length = np.zeros(num_envs, dtype=np.int64)
-        self._reward_sums: dict[str, np.ndarray] = {}   # per reward component, per env, this episode
+        self._reward_sums: list[dict[str, float]] = [{} for _ in range(num_envs)]   # this episode's, per env
 
     def _obs(self, obs: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(obs)).to(self.spec.obs_dtype)
+        # always a copy: the step buffer is overwritten by the next step
+        return torch.from_numpy(np.asarray(obs)).to(self.spec.obs_dtype, copy=True)
 
     def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
-        obs, _ = self._env.reset(seed=seed)
+        if seed is None or isinstance(seed, int):
+            seeds = [None if seed is None else seed + i for i in range(self.num_envs)]
+        else:
+            seeds = list(seed)
+            if len(seeds) != self.num_envs:
+                raise ValueError(f"reset: {len(seeds)} seeds for {self.num_envs} envs")
+        for i, (env, s) in enumerate(zip(self._envs, seeds)):
+            self._obs_buf[i], _ = env.reset(seed=s)
         self._ep_return[:] = 0.0
         self._ep_length[:] = 0
-        self._reward_sums = {}
-        return self._obs(obs)
+        self._reward_sums = [{} for _ in range(self.num_envs)]
+        return self._obs(self._obs_buf)
 
-    def _step_info(self, info: dict, done: np.ndarray) -> dict[str, np.ndarray]:
-        """This step's numeric per-env info entries ``{key: [N]}`` (NaN where an env did not report
-        it): the step's own info, which for envs that just ended is ``final_info`` (SAME_STEP
-        auto-reset puts the reset info in ``info``)."""
-        n = self.num_envs
-        out: dict[str, np.ndarray] = {}
-        final = info.get("final_info") if done.any() else None
-        for src, rows in ((info, ~done), (final, done)):
-            if not isinstance(src, dict):
-                continue
-            for k, v in src.items():
-                if k.startswith("_") or k in ("final_obs", "final_info") or not isinstance(v, np.ndarray):
-                    continue
-                if v.shape != (n,) or not (np.issubdtype(v.dtype, np.number) or v.dtype == bool):
-                    continue
-                mask = src.get("_" + k, np.ones(n, dtype=bool)) & rows
-                col = out.setdefault(k, np.full(n, np.nan))
-                col[mask] = v[mask].astype(np.float64)
-        return out
-
-    def _metrics(self, info: dict, done: np.ndarray) -> list[dict[str, float]]:
-        """Per ended episode: the final step's numeric info entries, and for reward components
-        (``reward*`` keys) their sum over the episode. On a step where no episode ends only the
-        reward components are accumulated (this runs in the actor's step loop)."""
-        if not done.any():
-            for k, v in info.items():
-                if (k.startswith("reward") and isinstance(v, np.ndarray) and v.shape == (self.num_envs,)
-                        and np.issubdtype(v.dtype, np.number)):
-                    acc = self._reward_sums.setdefault(k, np.zeros(self.num_envs))
-                    mask = info.get("_" + k)
-                    acc += np.where(mask, v, 0.0) if isinstance(mask, np.ndarray) else v
-            return []
-        step = self._step_info(info, done)
-        for k, v in step.items():
-            if k.startswith("reward"):
-                acc = self._reward_sums.setdefault(k, np.zeros(self.num_envs))
-                acc += np.nan_to_num(v)
-        out = []
-        for i in np.flatnonzero(done):
-            m = {k: (self._reward_sums[k][i] if k in self._reward_sums else v[i]) for k, v in step.items()
-                 if not np.isnan(v[i])}
-            out.append(clean_metrics(m))
-            for acc in self._reward_sums.values():
-                acc[i] = 0.0
-        return out
+    def _episode_metrics(self, i: int, info: dict) -> dict[str, float]:
+        """Env i's episode just ended with `info`: its numeric entries, and for reward components
+        (``reward*`` keys) their sum over the episode."""
+        sums = self._reward_sums[i]
+        out = {k: (sums[k] if k in sums else float(v)) for k, v in info.items() if _is_number(v)}
+        self._reward_sums[i] = {}
+        return clean_metrics(out)
 
     def step(self, action: torch.Tensor) -> StepResult:
         a = action.detach().cpu().numpy()
@@ -121,27 +102,40 @@ class GymBatchedEnv:
             # The policy's Gaussian is unbounded; the env gets the clipped action (the rollout keeps
             # the sample, so its log-prob stays exact).
             a = np.clip(a, self._low, self._high)
-        obs, reward, terminated, truncated, info = self._env.step(a)
-        done = terminated | truncated
+        n = self.num_envs
+        reward = np.zeros(n, dtype=np.float64)
+        terminated = np.zeros(n, dtype=bool)
+        truncated = np.zeros(n, dtype=bool)
+        ended: list[tuple[int, np.ndarray, dict]] = []
+        for i, env in enumerate(self._envs):
+            obs, r, term, trunc, info = env.step(a[i])
+            reward[i], terminated[i], truncated[i] = r, term, trunc
+            sums = self._reward_sums[i]
+            for k, v in info.items():   # reward components, summed over the episode
+                if k.startswith("reward") and _is_number(v):
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            if term or trunc:
+                ended.append((i, obs, info))
+                obs, _ = env.reset()
+            self._obs_buf[i] = obs
         self._ep_return += reward
         self._ep_length += 1
-        obs_t = self._obs(obs)
+        obs_t = self._obs(self._obs_buf)
         final_obs = obs_t
         returns: list[float] = []
         lengths: list[int] = []
-        metrics = self._metrics(info, done)
-        if done.any():
+        metrics: list[dict[str, float]] = []
+        if ended:
             final_obs = obs_t.clone()
-            idx = np.flatnonzero(done)
-            final = info["final_obs"]
-            final_obs[idx] = self._obs(np.stack([final[i] for i in idx]))
+            idx = [i for i, _, _ in ended]
+            final_obs[idx] = self._obs(np.stack([o for _, o, _ in ended]))
             returns = self._ep_return[idx].tolist()
             lengths = self._ep_length[idx].tolist()
             self._ep_return[idx] = 0.0
             self._ep_length[idx] = 0
+            metrics = [self._episode_metrics(i, info) for i, _, info in ended]
         return StepResult(obs=obs_t, reward=torch.from_numpy(reward.astype(np.float32)),
-                          terminated=torch.from_numpy(terminated.astype(bool)),
-                          truncated=torch.from_numpy(truncated.astype(bool)),
+                          terminated=torch.from_numpy(terminated), truncated=torch.from_numpy(truncated),
                           final_obs=final_obs, episode_returns=returns, episode_lengths=lengths,
                           episode_metrics=metrics)
 
@@ -150,9 +144,9 @@ class GymBatchedEnv:
         those envs render (rendering all of them would cost ``num_envs`` times as much)."""
         frames = []
         for i in indices:
-            frame = self._env.envs[i].render()
+            frame = self._envs[i].render()
             if frame is None:
-                raise RuntimeError(f"{self._env.envs[i].spec.id if self._env.envs[i].spec else 'env'}: render() "
+                raise RuntimeError(f"{self._envs[i].spec.id if self._envs[i].spec else 'env'}: render() "
                                    f"returned nothing (was it built with render_mode='rgb_array'?)")
             frames.append(np.asarray(frame))
         return frames

@@ -20,6 +20,8 @@ from shared.config import NetConfig, PolicyConfig
 from shared.envs.base import EnvSpec
 from shared.policies.normalization import ObsNormalizer
 
+_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
+
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
 
 
@@ -74,8 +76,25 @@ class ActorCritic(nn.Module):
             return dist.log_prob(action.long())
         return dist.log_prob(action.reshape(*action.shape[:-len(self._action_shape)], -1)).sum(-1)
 
+    def _act_gaussian(self, x: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Acting with the Gaussian head, without building a ``Normal``: the same sample stream
+        (``torch.normal``) and the same log-prob formula, term for term, as ``Normal.log_prob`` in
+        :meth:`evaluate_actions`, so the first epoch's ratio is exactly 1. Half the cost per call."""
+        mean = self.actor(x)
+        std = self.log_std.exp().expand_as(mean)
+        action = mean if deterministic else torch.normal(mean, std)
+        log_prob = (-((action - mean) ** 2) / (2 * std ** 2) - std.log() - _LOG_SQRT_2PI).sum(-1)
+        return action, log_prob
+
     def forward(self, td: TensorDictBase, deterministic: bool = False) -> TensorDictBase:
         x = self._features(td[keys.OBS])
+        if not self.discrete and not torch.is_grad_enabled():
+            action, log_prob = self._act_gaussian(x, deterministic)
+            td.set(keys.ACTION, action.reshape(*action.shape[:-1], *self._action_shape))
+            td.set(keys.LOG_PROB, log_prob)
+            if self.critic is not None:
+                td.set(keys.VALUE, self.critic(x).squeeze(-1))
+            return td
         dist = self._dist(x)
         if deterministic:
             action = dist.probs.argmax(-1) if self.discrete else dist.mean

@@ -53,10 +53,21 @@ class ObsNormalizer(RunningMeanStd):
     def __init__(self, shape: tuple[int, ...], clip: float = 10.0, eps: float = 1e-8):
         super().__init__(shape)
         self.clip, self.eps = clip, eps
+        self._cache: tuple | None = None   # (key, mean, std) in the input's dtype and device
+
+    def _moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Acting calls this on every env step with statistics that change once per version: the
+        # float64 -> float32 conversion is cached until an in-place update (the learner's update,
+        # a weights load) bumps the buffers' version counters.
+        key = (self.mean._version, self.var._version, self.mean.data_ptr(), x.dtype, x.device)
+        if self._cache is None or self._cache[0] != key:
+            mean = self.mean.to(x.dtype)
+            std = (self.var + self.eps).sqrt().to(x.dtype)
+            self._cache = (key, mean, std)
+        return self._cache[1], self._cache[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = self.mean.to(x.dtype)
-        std = (self.var + self.eps).sqrt().to(x.dtype)
+        mean, std = self._moments(x)
         return ((x - mean) / std).clamp(-self.clip, self.clip)
 
 
