@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.security import KeyFileError
     try:
         return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
-                                 learner_timeout_s=args.learner_timeout)
+                                 learner_timeout_s=args.learner_timeout, lock_dir=path.parent)
     except KeyFileError as e:
         print(f"actor {args.actor_id}: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 import zmq
 from tensordict import TensorDictBase
 
+from actors.emulated_device import device_for
 from actors.rollout import Collector, sends_bootstrap_obs
 from shared import wire
 from shared.config import Config
@@ -49,7 +51,7 @@ class Actor:
 
     def __init__(self, cfg: Config, actor_id: int, weights: WeightsSource, sink: RolloutSink,
                  device: str | None = None, stop_event: threading.Event | None = None,
-                 learner_timeout_s: float = 120.0):
+                 learner_timeout_s: float = 120.0, lock_dir: str | Path | None = None):
         self.cfg, self.actor_id = cfg, actor_id
         self.device = torch.device(device or cfg.actors.devices[actor_id % len(cfg.actors.devices)])
         self.weights, self.sink = weights, sink
@@ -61,9 +63,15 @@ class Actor:
         self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
         self.base_digest = frozen_digest(self.policy)   # the frozen base it loaded: must be the learner's
         slow = not cfg.actors.slow_actor_ids or actor_id in cfg.actors.slow_actor_ids
+        if cfg.actors.emulated_devices and lock_dir is None:
+            raise ValueError("actors.emulated_devices needs a directory for the devices' lock files (the run "
+                             "directory: give the actor --run-dir or --endpoints)")
+        self.emulated_device = device_for(cfg.actors.emulated_devices, actor_id, lock_dir or ".")
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=seed,
                                    step_delay_s=cfg.actors.slowdown_s if slow else 0.0,
                                    inference_latency_s=cfg.actors.inference_latency_s,
+                                   inference_latency_per_env_s=cfg.actors.inference_latency_per_env_s,
+                                   device_lock=self.emulated_device,
                                    bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
         self.version = -1          # no weights yet
         self.seq = 0
@@ -318,10 +326,12 @@ class Actor:
     def close(self) -> None:
         self._shm.close()
         self.env.close()
+        if self.emulated_device is not None:
+            self.emulated_device.close()
 
 
 def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], device: str | None = None,
-                      learner_timeout_s: float = 120.0) -> int:
+                      learner_timeout_s: float = 120.0, lock_dir: str | Path | None = None) -> int:
     """Entry point of one actor process: sockets, signal handling, run, clean close."""
     torch.set_num_threads(cfg.actors.torch_threads)
     stop = threading.Event()
@@ -340,7 +350,7 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
     actor = None
     try:
         actor = Actor(cfg, actor_id, sub, push, device=device, stop_event=stop,
-                      learner_timeout_s=learner_timeout_s)
+                      learner_timeout_s=learner_timeout_s, lock_dir=lock_dir)
         return actor.run()
     finally:
         if actor is not None:

@@ -8,6 +8,7 @@ rollout. Two storages alternate so one can be filled while ZeroMQ still reads th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,12 +89,15 @@ class Collector:
         num_steps: T, steps per env per rollout.
         num_buffers: storages used in turn (2: fill one while the other is being sent).
         step_delay_s: extra sleep per env step (a slow actor for tests and studies).
-        inference_latency_s: extra latency per acting policy call (a stand-in for a large model).
+        inference_latency_s: extra latency per acting policy call (a stand-in for a large model),
+            plus `inference_latency_per_env_s` for each env in the call.
+        device_lock: an emulated inference device (:mod:`actors.emulated_device`) held for each
+            acting call, forward pass and latency together; None: this actor's alone.
     """
 
     def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
                  num_buffers: int = 2, step_delay_s: float = 0.0, inference_latency_s: float = 0.0,
-                 bootstrap_obs: bool = False):
+                 bootstrap_obs: bool = False, inference_latency_per_env_s: float = 0.0, device_lock=None):
         self.env, self.policy, self.num_steps = env, policy, num_steps
         # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
@@ -109,7 +113,8 @@ class Collector:
                      if self.device.type != "cpu" else None)
         self._next = 0
         self.step_delay_s = step_delay_s
-        self.inference_latency_s = inference_latency_s
+        self.inference_latency_s = inference_latency_s + inference_latency_per_env_s * env.num_envs
+        self.device_lock = device_lock if device_lock is not None else contextlib.nullcontext()
         self.obs = env.reset(seed=seed).to(self.device)
         self.env_steps = 0
 
@@ -162,10 +167,11 @@ class Collector:
                         return None
                 ver_b[:, t] = version
             ti = time.perf_counter()
-            td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
-            action = td[keys.ACTION]
-            if self.inference_latency_s:
-                time.sleep(self.inference_latency_s)
+            with self.device_lock:
+                td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
+                action = td[keys.ACTION]
+                if self.inference_latency_s:
+                    time.sleep(self.inference_latency_s)
             te = time.perf_counter()
             step = self.env.step(action)
             if self.step_delay_s:

@@ -1,14 +1,36 @@
 """How much the asynchronous actor-learner design gains when inference is slow.
 
     .venv/bin/python benchmarks/async_speedup.py [--config configs/cartpole_ppo.json] [--latency 0.2]
-                                                 [--steps 32768] [--num-envs 16] [--buffer-size 32]
-                                                 [--max-lag 8] [--per-update actors|one]
-                                                 [--variants standard1,vla1,vla2,vla4,thread]
+                                                 [--latency-per-env 0] [--steps 32768] [--num-envs 16]
+                                                 [--buffer-size 32] [--max-lag 8] [--per-update actors|one]
+                                                 [--variants std1-1dev,vla4-1dev,thread-1dev,std4-4dev,vla4-4dev]
                                                  [--json out.json] [--keep-runs DIR] [--set KEY=VALUE ...]
 
-Every variant trains the same config to the same number of env steps, with a fixed latency
-(``--latency`` seconds, a sleep: ``actors.inference_latency_s``) added to every acting policy call,
-standing in for a large model. The variants:
+Every variant trains the same config to the same number of env steps, with an emulated inference
+latency of ``a + b x N`` seconds per acting call on N envs (``--latency`` a,
+``--latency-per-env`` b: ``actors.inference_latency_s`` and ``actors.inference_latency_per_env_s``,
+a sleep) standing in for a large model.
+
+**Equal hardware (the default variants).** Every variant runs ``4 x --num-envs`` envs in all, takes
+one rollout of ``--buffer-size`` steps from each actor per update (the same samples per update and
+the same updates), and infers on the same emulated devices (``actors.emulated_devices``: actors on
+one device take turns, across processes; ``actors/emulated_device.py``):
+
+- 1 device: ``standard 1x64`` (one actor with every env), ``vla 4x16 shared`` (four actors of 16
+  envs taking turns on the one device), ``thread 64`` (the seed's one-process design, the lock being
+  the device);
+- 4 devices: ``standard 4x16`` and ``vla 4x16``, an actor per device.
+
+For each group the table prints the speed-up over the group's standard variant on the training
+window, the bound asynchrony has at equal hardware, ``(collect + update) / max(collect, update)``,
+from the standard run's own collect and update times, and the share of the bound reached
+(speed-up / bound). With a
+fixed latency (b = 0), four actors sharing a device pay ``a`` four times per round where one actor
+of 64 envs pays it once: sharing never batches across actors.
+
+**Unequal hardware (earlier comparison, by name).** The variants below give every actor
+``--num-envs`` envs and an inference engine of its own, so vla-4 has four times standard-1's
+inference capacity; their speed-up measures that capacity more than asynchrony:
 
 1. ``standard-1`` -- ``trainer.buffer_type=standard``, 1 actor: collect, then train, then collect.
 2. ``vla-1``, ``vla-2``, ``vla-4`` -- ``trainer.buffer_type=vla`` with 1, 2 and 4 actor processes:
@@ -85,13 +107,43 @@ DEFAULT_CONFIG = ROOT / "configs" / "cartpole_ppo.json"
 TARGET_VS_STANDARD = 3.0               # vla-4 / standard-1 should be at least this
 TARGET_VS_THREAD = 1.0                 # vla-4 / thread should be above this
 
-VARIANTS = {                           # name -> (label, buffer_type, actors, kind)
-    "standard1": ("standard-1", "standard", 1, "process"),
-    "vla1": ("vla-1", "vla", 1, "process"),
-    "vla2": ("vla-2", "vla", 2, "process"),
-    "vla4": ("vla-4", "vla", 4, "process"),
-    "thread": ("thread", "vla", 1, "thread"),
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    buffer_type: str
+    actors: int
+    kind: str                          # "process" (run_local.sh) or "thread" (in this process)
+    group: str = "unequal"             # variants compared with each other: the same inference hardware
+    devices: str = ""                  # emulated devices: "one" shared by all actors, "own" one each, "" none
+
+    def __iter__(self):                # (label, buffer_type, actors, kind), as the tuples this replaced
+        return iter((self.label, self.buffer_type, self.actors, self.kind))
+
+    def __getitem__(self, i):
+        return tuple(self)[i]
+
+    @property
+    def equal(self) -> bool:
+        return self.group != "unequal"
+
+
+EQUAL_ACTORS = 4                       # the equal-hardware variants split the envs over 4 actors (or 1)
+VARIANTS = {
+    # Equal hardware: the same total envs (EQUAL_ACTORS x --num-envs), the same inference devices.
+    "std1-1dev": Variant("standard 1x64", "standard", 1, "process", "1 device", "one"),
+    "vla4-1dev": Variant("vla 4x16 shared", "vla", 4, "process", "1 device", "one"),
+    "thread-1dev": Variant("thread 64", "vla", 1, "thread", "1 device", "one"),
+    "std4-4dev": Variant("standard 4x16", "standard", 4, "process", "4 devices", "own"),
+    "vla4-4dev": Variant("vla 4x16", "vla", 4, "process", "4 devices", "own"),
+    # Unequal (the earlier comparison): every actor adds --num-envs envs and an inference engine of its
+    # own, so vla-4 has four times standard-1's inference capacity.
+    "standard1": Variant("standard-1", "standard", 1, "process"),
+    "vla1": Variant("vla-1", "vla", 1, "process"),
+    "vla2": Variant("vla-2", "vla", 2, "process"),
+    "vla4": Variant("vla-4", "vla", 4, "process"),
+    "thread": Variant("thread", "vla", 1, "thread"),
 }
+DEFAULT_VARIANTS = [n for n, v in VARIANTS.items() if v.equal]
 
 
 @dataclass
@@ -112,6 +164,7 @@ class Result:
     dropped_lag: int | None = None
     overwritten: int | None = None
     update_s_mean: float | None = None
+    update_total_s: float | None = None  # the learner's seconds in updates (process: time/update_wall_s)
     eval_return: float | None = None
     speedup: float | None = None       # standard-1 wall / this wall
     speedup_window: float | None = None
@@ -121,24 +174,35 @@ class Result:
 
 # ================================================================== overrides
 
-def rollout_shape(args, actors: int) -> tuple[int, int]:
-    """(steps per rollout, rollouts per update) of a variant with `actors` actors. Every variant
-    trains ``--num-envs x --buffer-size`` samples per update; with ``--per-update actors`` an update
-    takes one rollout from each actor, so each actor's rollouts are ``--buffer-size / actors`` long."""
+def rollout_shape(args, actors: int, equal: bool = False) -> tuple[int, int]:
+    """(steps per rollout, rollouts per update) of a variant with `actors` actors. Unequal variants
+    train ``--num-envs x --buffer-size`` samples per update; with ``--per-update actors`` an update
+    takes one rollout from each actor, so each actor's rollouts are ``--buffer-size / actors`` long.
+    Equal-hardware variants split ``EQUAL_ACTORS x --num-envs`` envs over their actors; an update takes
+    one rollout of ``--buffer-size`` steps from each actor."""
+    if equal:
+        return args.buffer_size, actors
     if args.per_update == "one":
         return args.buffer_size, 1
     return args.buffer_size // actors, actors
 
 
-def variant_overrides(args, buffer_type: str, actors: int) -> list[str]:
+def envs_per_actor(args, v: Variant) -> int:
+    return EQUAL_ACTORS * args.num_envs // v.actors if v.equal else args.num_envs
+
+
+def variant_overrides(args, v: Variant) -> list[str]:
     """The --set overrides of one variant: the user's, then the benchmark's (which win)."""
-    samples = args.num_envs * args.buffer_size
-    steps, k = rollout_shape(args, actors)
-    return list(args.sets) + [
+    buffer_type, actors, equal = v.buffer_type, v.actors, v.equal
+    samples = (EQUAL_ACTORS if equal else 1) * args.num_envs * args.buffer_size
+    steps, k = rollout_shape(args, actors, equal)
+    devices = {"one": ["dev0"], "own": [f"dev{i}" for i in range(actors)]}.get(v.devices, [])
+    extra = [f"actors.emulated_devices={json.dumps(devices)}"] if devices and v.kind == "process" else []
+    return list(args.sets) + extra + [
         f"trainer.buffer_type={buffer_type}",
         f"actors.num_actors={actors}",
         f"trainer.total_steps={args.steps}",
-        f"actors.num_envs={args.num_envs}",
+        f"actors.num_envs={envs_per_actor(args, v)}",
         f"trainer.buffer_size={steps}",
         f"trainer.rollouts_per_update={k}",
         "trainer.buffer_capacity=8",
@@ -147,6 +211,7 @@ def variant_overrides(args, buffer_type: str, actors: int) -> list[str]:
         "trainer.save_freq=0",
         f"algorithm.cfg.batch_size={min(256, samples)}",
         f"actors.inference_latency_s={args.latency}",
+        f"actors.inference_latency_per_env_s={args.latency_per_env}",
     ]
 
 
@@ -156,7 +221,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
     label, buffer_type, actors, kind = VARIANTS[name]
     res = Result(name, label, kind, buffer_type, actors)
     run_dir.mkdir(parents=True, exist_ok=True)
-    sets = [x for o in variant_overrides(args, buffer_type, actors) for x in ("--set", o)]
+    sets = [x for o in variant_overrides(args, VARIANTS[name]) for x in ("--set", o)]
     cmd = ["bash", str(LAUNCHER), "--config", str(args.config), "--actors", str(actors), "--out", str(run_dir),
            *sets]
     log_path = run_dir / "launcher.log"
@@ -203,6 +268,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
     updates = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in m]
     if updates:
         res.update_s_mean = sum(m["perf/update_s"] for m in updates) / len(updates)
+        res.update_total_s = summary.get("time/update_wall_s", sum(m["perf/update_s"] for m in updates))
         res.extra["learner_wait_s"] = sum(m.get("perf/learner_wait_s", 0.0) for m in updates)
     if args.keep_runs:
         res.extra["run_dir"] = str(run_dir)
@@ -211,7 +277,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
 
 # ================================================================== thread variant
 
-def run_thread_variant(args) -> Result:
+def run_thread_variant(args, name: str = "thread") -> Result:
     """The seed framework's design in this process: one collector thread and the training thread
     share one policy object under a lock (see the module docstring)."""
     import torch
@@ -223,12 +289,13 @@ def run_thread_variant(args) -> Result:
     from shared.config import load_config
     from shared.envs import make_env
 
-    label, buffer_type, actors, kind = VARIANTS["thread"]
-    res = Result("thread", label, kind, buffer_type, actors)
-    cfg = load_config(args.config, variant_overrides(args, buffer_type, actors))
+    label, buffer_type, actors, kind = VARIANTS[name]
+    res = Result(name, label, kind, buffer_type, actors)
+    cfg = load_config(args.config, variant_overrides(args, VARIANTS[name]))
     torch.set_num_threads(learner_threads(cfg))   # as the learner and actor processes do
     lock = threading.Lock()
-    latency = cfg.actors.inference_latency_s
+    # the lock is the one device: its latency for a call on all of the collector's envs
+    latency = cfg.actors.inference_latency_s + cfg.actors.inference_latency_per_env_s * cfg.actors.num_envs
 
     class LockedPolicy(nn.Module):
         """The one shared policy, as the collector sees it: every call holds the lock, and the
@@ -324,6 +391,7 @@ def run_thread_variant(args) -> Result:
         res.lag_mean, res.lag_max = sum(lags) / len(lags), max(lags)
     if update_s:
         res.update_s_mean = sum(update_s) / len(update_s)
+        res.update_total_s = sum(update_s)
     # The evaluator process's first evaluation uses this seed (trainer.seed + 1_000_003 + count, count 0).
     learner.policy.eval()
     eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
@@ -379,13 +447,56 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def equal_hardware_rows(results: list[Result]) -> list[dict]:
+    """Per equal-hardware group, each variant against the group's standard variant (collect, then
+    update): its speed-up on the training window, and the bound asynchrony has at equal hardware,
+    (collect + update) / max(collect, update), from the standard run's own times (collect = its
+    window less its time in updates)."""
+    rows = []
+    for group in dict.fromkeys(VARIANTS[r.name].group for r in results if VARIANTS[r.name].equal):
+        members = [r for r in results if VARIANTS[r.name].group == group and not r.error]
+        std = next((r for r in members if r.buffer_type == "standard"), None)
+        bound = collect = update = None
+        if std is not None and std.window_s and std.update_total_s is not None:
+            update = std.update_total_s
+            collect = max(std.window_s - update, 0.0)
+            bound = (collect + update) / max(collect, update, 1e-9)
+        for r in members:
+            speed = _ratio(std.window_s, r.window_s) if std is not None else None
+            rows.append({"group": group, "variant": r.label, "name": r.name, "wall_s": r.wall_s, "window_s": r.window_s,
+                         "collect_s": collect, "update_s": update, "speedup": speed, "bound": bound,
+                         "share_of_bound": _ratio(speed, bound),
+                         "eval_return": r.eval_return, "lag_mean": r.lag_mean})
+    return rows
+
+
+def fmt_equal(rows: list[dict]) -> str:
+    head = (f"{'equal hardware':<14} {'variant':<16} {'wall s':>7} {'window s':>8} {'speed-up':>8} "
+            f"{'bound':>6} {'share':>6} {'return':>7} {'lag':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['group']:<14} {r['variant']:<16} {_f(r['wall_s'], '7.1f')} {_f(r['window_s'], '8.1f')} "
+                     f"{_f(r['speedup'], '8.2f')} {_f(r['bound'], '6.2f')} {_f(r['share_of_bound'], '6.2f')} "
+                     f"{_f(r['eval_return'], '7.1f')} {_f(r['lag_mean'], '5.2f')}")
+    std = {r["group"]: r for r in rows if r["collect_s"] is not None}
+    for g, r in std.items():
+        lines.append(f"{g}: the standard run collected {r['collect_s']:.1f} s and updated {r['update_s']:.1f} s; "
+                     f"overlapping them perfectly gives at most {r['bound']:.2f}x")
+    lines.append("speed-up: the group's standard window / this window; bound: (collect + update) / max(collect, "
+                 "update); share: speed-up / bound (1.00: collection and updates overlapped perfectly)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/async_speedup.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="JSON config file (default: configs/cartpole_ppo.json)")
     p.add_argument("--latency", type=float, default=0.2,
-                   help="seconds added to every acting policy call (actors.inference_latency_s; default 0.2)")
+                   help="a: seconds added to every acting policy call (actors.inference_latency_s; default 0.2)")
+    p.add_argument("--latency-per-env", type=float, default=0.0,
+                   help="b: seconds added per env in the call (actors.inference_latency_per_env_s; default 0): "
+                        "a call on N envs takes a + b x N")
     p.add_argument("--steps", type=int, default=32768, help="env steps to train on, every variant (default 32768)")
     p.add_argument("--num-envs", type=int, default=16,
                    help="envs per actor: one batched policy call serves them all (default 16)")
@@ -396,8 +507,9 @@ def main(argv: list[str] | None = None) -> int:
                         "actor, rollouts of --buffer-size / actors steps, so the mean lag stays near 1; one: "
                         "an update takes one rollout of --buffer-size steps whatever the number of actors "
                         "(lag near the number of actors)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: the equal-hardware ones, "
+                        f"{', '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a variant is abandoned (default 900)")
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
     p.add_argument("--keep-runs", type=Path, metavar="DIR",
@@ -406,15 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every variant, applied before the benchmark's own (repeatable)")
     args = p.parse_args(argv)
-    if args.latency < 0 or args.steps < 1 or args.num_envs < 1 or args.buffer_size < 1 or args.max_lag < 0:
-        p.error("--latency and --max-lag must be >= 0; --steps, --num-envs and --buffer-size positive")
+    if (args.latency < 0 or args.latency_per_env < 0 or args.steps < 1 or args.num_envs < 1 or args.buffer_size < 1
+            or args.max_lag < 0):
+        p.error("--latency, --latency-per-env and --max-lag must be >= 0; --steps, --num-envs and --buffer-size "
+                "positive")
     names = [x.strip() for x in args.variants.split(",") if x.strip()]
     unknown = [x for x in names if x not in VARIANTS]
     if not names or unknown:
         p.error(f"--variants: unknown {unknown}; choose among {', '.join(VARIANTS)}")
     names = [n for n in VARIANTS if n in names]        # the table's order
     if args.per_update == "actors":
-        uneven = [VARIANTS[n][0] for n in names if args.buffer_size % VARIANTS[n][2]]
+        uneven = [VARIANTS[n][0] for n in names if not VARIANTS[n].equal and args.buffer_size % VARIANTS[n][2]]
         if uneven:
             p.error(f"--buffer-size {args.buffer_size} is not a multiple of the number of actors of "
                     f"{', '.join(uneven)} (--per-update actors splits it over the actors)")
@@ -422,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from shared.config import ConfigError, load_config
     try:   # check every variant's config here, so a typo fails in a second and names the key
-        cfgs = {n: load_config(args.config, variant_overrides(args, VARIANTS[n][1], VARIANTS[n][2])) for n in names}
+        cfgs = {n: load_config(args.config, variant_overrides(args, VARIANTS[n])) for n in names}
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -453,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.monotonic()
             try:
                 if kind == "thread":
-                    r = run_thread_variant(args)
+                    r = run_thread_variant(args, n)
                 else:
                     r = run_process_variant(n, args, runs_root / n)
             except BenchmarkError as e:
@@ -480,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(fmt_table(results))
     print(FOOTNOTE)
+    equal = equal_hardware_rows(results)
+    if equal:
+        print("\n" + fmt_equal(equal))
     parts = [r for r in results if not r.error and r.kind == "process" and r.startup_s is not None
              and r.window_s is not None]
     if parts:
@@ -517,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                "num_envs": args.num_envs, "buffer_size": args.buffer_size, "per_update": args.per_update,
                "max_policy_lag": args.max_lag,
                "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
-               "overrides": {n: variant_overrides(args, VARIANTS[n][1], VARIANTS[n][2]) for n in names},
+               "overrides": {n: variant_overrides(args, VARIANTS[n]) for n in names},
                "results": [asdict(r) for r in results],
                "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
                "machine": machine_info(),

@@ -142,7 +142,15 @@ class ActorsConfig:
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
     inference_latency_s: Annotated[float, Range(ge=0)] = 0.0
     """Fixed extra latency per acting policy call on every actor, standing in for a large model
-    (a VLA's forward pass can take a second); the actor's CPU stays free meanwhile."""
+    (a VLA's forward pass can take a second); the actor's CPU stays free meanwhile. With
+    inference_latency_per_env_s (b), a call on N envs sleeps this + b x N (actors/emulated_device.py)."""
+    inference_latency_per_env_s: Annotated[float, Range(ge=0)] = 0.0
+    """The part of the emulated latency that grows with the batch: seconds per env in the call."""
+    emulated_devices: list[str] = field(default_factory=list)
+    """CPU studies of slow models: actor i infers on the emulated device named
+    emulated_devices[i % len]; actors on the same name take turns (a lock across processes on this
+    host, under RUN_DIR/devices) for the forward pass and the emulated latency together, as actors
+    sharing one GPU do. Empty: every actor has a device of its own. Real CUDA actors need none of it."""
     slow_actor_ids: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
     curve_secret_key: str = ""
@@ -501,6 +509,10 @@ def _check(cfg: Config) -> list[str]:
                       f"algorithm.name is \"grpo\")")
     if not a.devices:
         errors.append("actors.devices: must name at least one device, e.g. [\"cpu\"]")
+    for i, name in enumerate(a.emulated_devices):
+        if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
+            errors.append(f"actors.emulated_devices[{i}]: {name!r} is not a device name (1-64 letters, digits, "
+                          f"'_', '.' or '-'; it names a lock file)")
     if le.weights_transport == "shm" and a.weights_delay_s > 0:
         errors.append("actors.weights_delay_s: a delay cannot be combined with learner.weights_transport \"shm\" "
                       "(the shared-memory ring would be rewritten before a delayed version is loaded)")
