@@ -716,7 +716,58 @@ def table_row(run: Run) -> list[str]:
     ]
 
 
-def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]]) -> str:
+def correction_lag_table(runs: Sequence[Run], random_return: float | None = None) -> list[str]:
+    """Markdown: final return (mean ± std over seeds) for each correction (rows) at each
+    ``actors.sync_every`` (columns, with the mean lag measured), and, against ``none`` at the
+    smallest sync_every, the share of the return kept: R / R_ref, or with `random_return` (a random
+    policy's return, for tasks whose returns are negative) (R - R_random) / (R_ref - R_random).
+    Empty unless there are several corrections and several sync_every values."""
+    cells: dict[tuple[str, int], list[Run]] = {}
+    for run in runs:
+        sync = run.setting("actors", "sync_every", default=1)
+        if run.final_return is not None and isinstance(sync, int):
+            cells.setdefault((run.correction, sync), []).append(run)
+    corrections = sorted({c for c, _ in cells}, key=lambda c: (c != "none", c))
+    syncs = sorted({s for _, s in cells})
+    if len(corrections) < 2 or len(syncs) < 2:
+        return []
+
+    def stats(members: list[Run]) -> tuple[float, float, float | None]:
+        ret = np.array([r.final_return for r in members], dtype=float)
+        lags = [r.mean_lag for r in members if r.mean_lag is not None]
+        return float(ret.mean()), float(ret.std()), (float(np.mean(lags)) if lags else None)
+
+    lines = ["## Correction × lag", "",
+             "Final return, mean ± std over seeds (n), by `actors.sync_every` (mean lag measured).", "",
+             "| correction | " + " | ".join(f"sync {s}" for s in syncs) + " |",
+             "|---|" + "---:|" * len(syncs)]
+    for c in corrections:
+        row = []
+        for s in syncs:
+            if (c, s) in cells:
+                m, sd, lag = stats(cells[(c, s)])
+                row.append(f"{m:.1f} ± {sd:.1f} ({len(cells[(c, s)])}; lag {_fmt_float(lag)})")
+            else:
+                row.append(MISSING)
+        lines.append(f"| {c} | " + " | ".join(row) + " |")
+    ref = cells.get(("none", syncs[0]))
+    if ref:
+        r_ref = stats(ref)[0]
+        base = random_return if random_return is not None else 0.0
+        what = (f"(R − R_random) / (R_none,sync {syncs[0]} − R_random), R_random = {random_return:g}"
+                if random_return is not None else f"R / R_none,sync {syncs[0]}")
+        lines += ["", f"Share of the return kept: {what}.", "",
+                  "| correction | " + " | ".join(f"sync {s}" for s in syncs) + " |",
+                  "|---|" + "---:|" * len(syncs)]
+        for c in corrections:
+            row = [f"{(stats(cells[(c, s)])[0] - base) / (r_ref - base):.0%}" if (c, s) in cells and r_ref != base
+                   else MISSING for s in syncs]
+            lines.append(f"| {c} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]],
+              random_return: float | None = None) -> str:
     """report.md's text; `figures` are (file name, section title, caption)."""
     lines = ["# Staleness report", "",
              "Policy lag = the learner's version when it used a sample minus the policy version that produced it.",
@@ -751,13 +802,14 @@ def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]]) -> s
                          + (f"{st[0]:.2f} | {st[1]:.1f} ± {st[2]:.1f}" if st else f"{MISSING} | {MISSING}")
                          + f" | {per_seed} |")
         lines.append("")
+    lines += correction_lag_table(runs, random_return)
     lines += ["## Figures", ""]
     for name, title, caption in figures:
         lines += [f"### {title}", "", f"![{title}]({name})", "", caption, ""]
     return "\n".join(lines)
 
 
-def write_report(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
+def write_report(runs: Sequence[Run], out_dir: str | Path, random_return: float | None = None) -> list[Path]:
     """Write every figure and ``report.md`` for `runs` into `out_dir` (created if needed).
 
     Returns the paths written, figures first and ``report.md`` last.
@@ -773,7 +825,7 @@ def write_report(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(out_dir / name)
     report = out_dir / "report.md"
-    report.write_text(_markdown(runs, [(name, title, caption) for name, title, _, caption in FIGURES]))
+    report.write_text(_markdown(runs, [(name, title, caption) for name, title, _, caption in FIGURES], random_return))
     written.append(report)
     return written
 
@@ -793,6 +845,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="output directory (default: RUN_DIR/staleness_report for one run, else "
                              "./staleness_report)")
     parser.add_argument("--labels", default=None, help="comma-separated labels, one per RUN_DIR")
+    parser.add_argument("--random-return", type=float, default=None,
+                        help="a random policy's return on the task: the correction x lag table then gives the "
+                             "return kept as (R - this) / (R_ref - this) (e.g. Pendulum-v1, whose returns are negative)")
     args = parser.parse_args(argv)
     if args.labels is not None:
         labels = [label.strip() for label in args.labels.split(",")]
@@ -806,7 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"staleness.py: error: {e}", file=sys.stderr)
         return 2
     out = args.out or (args.run_dirs[0] / "staleness_report" if len(runs) == 1 else Path("staleness_report"))
-    written = write_report(runs, out)
+    written = write_report(runs, out, args.random_return)
     print(f"wrote {len(written)} files to {out}/ (see {written[-1].name})")
     return 0
 

@@ -164,3 +164,37 @@ def test_unusable_run_dir_exits_non_zero(tmp_path: Path, capsys: pytest.CaptureF
     assert not (empty / "staleness_report").exists()
     with pytest.raises(SystemExit):
         staleness.main([str(empty), "--labels", "x,y"])
+
+
+def test_correction_by_lag_table_and_share_kept(tmp_path: Path) -> None:
+    """Several corrections at several sync_every values: a pivot of mean ± std over seeds, and the
+    share of none's smallest-lag return each keeps, measured from a random policy's return."""
+    runs = []
+    returns = {("none", 1): [-150.0, -130.0], ("none", 4): [-400.0, -420.0], ("is", 1): [-140.0, -140.0],
+               ("is", 4): [-200.0, -220.0]}
+    for (correction, sync), values in returns.items():
+        for seed, ret in enumerate(values, 1):
+            d = tmp_path / f"sync{sync}_delay0_{correction}_s{seed}"
+            write_run(d, n_rollouts=6, correction=correction, drops=[], syncs=False)
+            cfg = json.loads((d / "config.json").read_text())
+            cfg["actors"]["sync_every"], cfg["trainer"]["seed"] = sync, seed
+            (d / "config.json").write_text(json.dumps(cfg))
+            (d / "summary.json").write_text(json.dumps({"last_eval/return_mean": ret}))
+            metrics = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            metrics = [m for m in metrics if "eval/return_mean" not in m] + [
+                {"eval/return_mean": ret, "eval/return_std": 1.0, "env_steps": 800 + k, "time": T0 + 30 + k}
+                for k in range(3)]
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+            runs.append(d)
+    out = tmp_path / "report"
+    assert staleness.main([str(r) for r in runs] + ["--out", str(out), "--random-return", "-1240"]) == 0
+    text = (out / "report.md").read_text()
+    section = text.split("## Correction × lag")[1].split("## Figures")[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in section.split("Share of the return kept")[0].splitlines()
+            if line.startswith("| ") and "correction" not in line}
+    assert rows["none"][0].startswith("-140.0 ± 10.0 (2;")
+    assert rows["is"][1].startswith("-210.0 ± 10.0 (2;")
+    kept = section.split("Share of the return kept")[1]
+    # is at sync 4: (-210 + 1240) / (-140 + 1240) = 93.6%; none at sync 4: (-410 + 1240) / 1100 = 75%
+    assert "| is | 100% | 94% |" in kept and "| none | 100% | 75% |" in kept
