@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -334,6 +335,8 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
                       learner_timeout_s: float = 120.0, lock_dir: str | Path | None = None) -> int:
     """Entry point of one actor process: sockets, signal handling, run, clean close."""
     torch.set_num_threads(cfg.actors.torch_threads)
+    if cfg.actors.nice:
+        os.nice(cfg.actors.nice)
     stop = threading.Event()
 
     def _on_signal(signum, frame):  # only set a flag: never raise inside a ZeroMQ call

@@ -107,31 +107,39 @@ def worker_calibrate(config: str, sets: list[str], rollouts: int, updates: int) 
     torch.set_num_threads(1)
     cfg = _load(config, sets + ["trainer.buffer_type=standard"])
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
-    env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, "cpu")
-    try:
-        collector = Collector(env, learner.policy, cfg.trainer.buffer_size, seed=cfg.trainer.seed,
-                              bootstrap_obs=sends_bootstrap_obs(cfg, True))
-        collector.collect(0)                                      # warm-up
-        c0 = time.thread_time()
-        for _ in range(rollouts):
-            rollout, stats, _ = collector.collect(0)
-        collect_per_step = (time.thread_time() - c0) / (rollouts * rollout.numel())
-        per_update = []
-        for i in range(updates + 1):                              # the first one warms up
-            rollout[keys.POLICY_VERSION].fill_(learner.version)   # on-policy for the update it feeds
-            for a in range(cfg.rollouts_per_update):
-                learner.ingest(rollout.clone(), {"kind": "rollout", "actor": a, "seq": i, "episode_returns": [],
-                                                 "episode_lengths": []})
-            batch = learner.take_batch(timeout_s=1.0)
-            if batch is None:
-                raise RuntimeError("calibration: the learner did not take the rollouts")
-            u0 = time.process_time()
-            learner.update_once(*batch)
-            if i:
-                per_update.append(time.process_time() - u0)
-    finally:
-        env.close()
-    return {"collect_cpu_per_step": collect_per_step, "update_cpu_s": statistics.median(per_update),
+
+    def per_step(num_envs: int):
+        env = make_env(cfg.env.id, num_envs, cfg.env.cfg, "cpu")
+        try:
+            collector = Collector(env, learner.policy, cfg.trainer.buffer_size, seed=cfg.trainer.seed,
+                                  bootstrap_obs=sends_bootstrap_obs(cfg, True))
+            collector.collect(0)                                  # warm-up
+            c0 = time.thread_time()
+            for _ in range(rollouts):
+                rollout, stats, _ = collector.collect(0)
+            return (time.thread_time() - c0) / (rollouts * rollout.numel()), rollout.clone(), stats
+        finally:
+            env.close()
+
+    # one process stepping every env: what the per-actor split costs in per-step overhead
+    collect_all_per_step = per_step(cfg.actors.num_actors * cfg.actors.num_envs)[0]
+    collect_per_step, rollout, stats = per_step(cfg.actors.num_envs)
+    inference_share = stats.inference_s / max(stats.collect_s, 1e-9)
+    per_update = []
+    for i in range(updates + 1):                              # the first one warms up
+        rollout[keys.POLICY_VERSION].fill_(learner.version)   # on-policy for the update it feeds
+        for a in range(cfg.rollouts_per_update):
+            learner.ingest(rollout.clone(), {"kind": "rollout", "actor": a, "seq": i, "episode_returns": [],
+                                             "episode_lengths": []})
+        batch = learner.take_batch(timeout_s=1.0)
+        if batch is None:
+            raise RuntimeError("calibration: the learner did not take the rollouts")
+        u0 = time.process_time()
+        learner.update_once(*batch)
+        if i:
+            per_update.append(time.process_time() - u0)
+    return {"collect_cpu_per_step": collect_per_step, "collect_all_cpu_per_step": collect_all_per_step,
+            "inference_share": inference_share, "update_cpu_s": statistics.median(per_update),
             "samples_per_update": cfg.rollouts_per_update * rollout.numel()}
 
 
@@ -407,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         collect_cpu, update_cpu = cal["collect_cpu_per_step"] * steps, cal["update_cpu_s"] * updates
         ideal = (collect_cpu + update_cpu) / cores
         print(f"[vs1] calibration (one thread): collection {cal['collect_cpu_per_step'] * 1e6:.1f} us CPU per env "
-              f"step with {cfg.actors.num_envs} envs, {cal['update_cpu_s']:.3f} s CPU per update -> {steps:,} steps: "
+              f"step with {cfg.actors.num_envs} envs per process ({cal['inference_share']:.0%} of it in the policy), "
+              f"{cal['collect_all_cpu_per_step'] * 1e6:.1f} us with all "
+              f"{cfg.actors.num_actors * cfg.actors.num_envs} in one; "
+              f"{cal['update_cpu_s']:.3f} s CPU per update -> {steps:,} steps: "
               f"{collect_cpu:.1f} s collecting + {update_cpu:.1f} s updating = {collect_cpu + update_cpu:.1f} s CPU; "
               f"ideal wall on {cores} cores {ideal:.1f} s", flush=True)
         for seed in seeds:

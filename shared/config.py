@@ -138,6 +138,10 @@ class ActorsConfig:
     """Injected delay on weight delivery: an actor may only load a weights message that arrived at
     least this many seconds ago (a controlled-staleness knob for studies)."""
     torch_threads: Annotated[int, Range(ge=1)] = 1
+    nice: Annotated[int, Range(ge=0, le=19)] = 0
+    """Scheduling niceness of the actor processes (os.nice). Where actors and the learner share
+    too few cores and the learner is the bottleneck (vla mode, a learner on the CPU), a few points
+    let the learner's update run first and the actors take what it leaves."""
     slowdown_s: Annotated[float, Range(ge=0)] = 0.0
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
     inference_latency_s: Annotated[float, Range(ge=0)] = 0.0
