@@ -8,9 +8,10 @@ In one sitting, for every seed in turn, every variant trains the config to the s
 
 - ``standard`` -- ``launch/run_local.sh --config C``, the config as it is, with
   ``trainer.buffer_type=standard``: collect, then train, the actors waiting for every update.
-- ``overlap`` -- the same with ``trainer.buffer_type=vla``, ``lag_policy=pace`` and
-  ``max_policy_lag=1``: the actors collect the next rollouts while the learner trains on the last
-  ones, so every sample is trained on by the version after the one that acted (lag exactly 0 or 1).
+- ``overlap`` -- the same with ``trainer.buffer_type=vla``, ``lag_policy=pace``,
+  ``max_policy_lag=1`` and ``actors.nice=10``: the actors collect the next rollouts while the learner
+  trains on the last ones, so every sample is trained on by the version after the one that acted
+  (lag exactly 1), and the learner's update runs first where they compete for a core.
 - ``plain`` -- a single-process loop built from Tandem's own pieces (one :class:`Collector` stepping
   every env, ``num_actors x num_envs``; the same :class:`Learner` update), run synchronously in a
   fresh interpreter with torch's default threads: the same algorithm, without processes.
@@ -60,7 +61,8 @@ from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_sig
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 VARIANTS = ("standard", "overlap", "plain", "sb3")
 TANDEM_SETS = {"standard": ["trainer.buffer_type=standard"],
-               "overlap": ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1"]}
+               "overlap": ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1",
+                           "actors.nice=10"]}
 STOP_S = 10.0
 
 
