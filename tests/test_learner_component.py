@@ -63,14 +63,19 @@ class CaptureSink:
         return _Sent()
 
 
-def serial_run(cfg, updates: int):
-    """Drive one actor and the learner in lock-step; return the learner, the rollouts it trained
-    on, and every published (weights, meta)."""
+def wired(cfg) -> tuple[Learner, ListPublisher, CaptureSink, Actor]:
+    """A learner that has published version 0, and actor 0 reading its publisher in-process."""
     pub = ListPublisher()
     learner = Learner(cfg, run_dir=None, publisher=pub)
     learner.publish()
     sink = CaptureSink()
-    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    return learner, pub, sink, Actor(cfg, 0, PublisherSource(pub), sink)
+
+
+def serial_run(cfg, updates: int):
+    """Drive one actor and the learner in lock-step; return the learner, the rollouts it trained
+    on, and every published (weights, meta)."""
+    learner, pub, sink, actor = wired(cfg)
     trained = []
     for _ in range(updates):
         assert actor.step_once()
@@ -408,11 +413,7 @@ def test_pace_tells_actors_their_rollouts_are_taken_before_the_update_runs():
     """With lag_policy pace the credit for consumed rollouts goes out when the update takes them,
     not with the next weights: an actor may collect during the update (a pipeline, lag 1)."""
     cfg = small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=1, lag_policy="pace")
-    pub = ListPublisher()
-    learner = Learner(cfg, run_dir=None, publisher=pub)
-    learner.publish()
-    sink = CaptureSink()
-    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    learner, pub, sink, actor = wired(cfg)
     assert actor.step_once()
     learner.ingest(*sink.messages[-1])
     order = []
