@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,9 +31,11 @@ log = logging.getLogger("tandem.evaluator")
 
 
 @torch.inference_mode()
-def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
+def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int,
              frames: dict[int, list] | None = None, max_frames: int = 300, frame_every: int = 1,
-             metrics: list[dict[str, float]] | None = None) -> tuple[list[float], list[int], list[bool]]:
+             metrics: list[dict[str, float]] | None = None, actions: list | None = None,
+             replay: list | None = None, per_env: dict[int, float] | None = None,
+             ) -> tuple[list[float], list[int], list[bool]]:
     """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy.
     Returns episode returns, lengths and (for tasks that define it) successes.
 
@@ -42,7 +45,14 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
     auto-reset state after it belongs to the next one).
 
     `metrics`: a list that receives the env metrics (``StepResult.episode_metrics``) of the first
-    `num_episodes` episodes, where the env reports any."""
+    `num_episodes` episodes, where the env reports any.
+
+    Rendering later (``trainer.video.when: "end"``): `actions`, a list, receives every step's action
+    batch; ``evaluate(None, env, ..., frames=..., replay=those actions)`` then steps the same envs
+    from the same seed with them (no policy) and renders. Each replayed batch may hold only the
+    first k envs' actions (the envs are independent: the others repeat env 0's). The replay stops
+    when the actions run out or every recorded episode has ended. `per_env` receives ``{env index: return}`` of every episode
+    that ended, to check that a replay followed the evaluation."""
     obs = env.reset(seed=seed)
     n = env.num_envs
     returns: list[float | None] = [None] * n
@@ -62,8 +72,17 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
 
     capture(0)
     for t in range(limit + 1):
-        td = policy(TensorDict({keys.OBS: obs}, batch_size=[n]), deterministic=True)
-        step = env.step(td[keys.ACTION])
+        if replay is not None:
+            if t >= len(replay):
+                break
+            action = replay[t]
+            if action.shape[0] < n:   # only the recorded envs' actions were kept: the others do not matter
+                action = torch.cat([action, action[:1].expand(n - action.shape[0], *action.shape[1:])])
+        else:
+            action = policy(TensorDict({keys.OBS: obs}, batch_size=[n]), deterministic=True)[keys.ACTION]
+            if actions is not None:
+                actions.append(action.detach().to("cpu", copy=True))
+        step = env.step(action)
         ep_ret += step.reward.double().cpu()
         ep_len += 1
         done = (step.terminated | step.truncated).cpu()
@@ -79,8 +98,12 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
         obs = step.obs
         if all(r is not None for r in returns):
             break
+        if replay is not None and all(returns[i] is not None for i in recording):
+            break   # a replay renders; the other envs' episodes were evaluated already
         if recording:
             capture(t + 1)
+    if per_env is not None:
+        per_env.update({i: r for i, r in enumerate(returns) if r is not None})
     if metrics is not None:
         done_ids = [i for i in range(n) if returns[i] is not None][:num_episodes]
         metrics.extend(env_metrics[i] for i in done_ids if env_metrics[i])
@@ -88,17 +111,49 @@ def evaluate(policy: torch.nn.Module, env, num_episodes: int, seed: int,
             [x for x in successes if x is not None][:num_episodes])
 
 
+@dataclass
+class Deferred:
+    """An evaluation whose video is rendered at the end of the run: what replays it."""
+    seed: int
+    version: int
+    env_steps: int
+    actions: torch.Tensor               # [steps, recorded envs, *action shape]
+    returns: dict[int, float]           # the recorded envs' evaluated returns, to check the replay
+
+
+def run_processes(cfg: Config) -> int:
+    """Processes a local run puts on this host: learner ranks, actors and this evaluator."""
+    return max(1, len(cfg.learner.devices)) + cfg.actors.num_actors + 1
+
+
+def video_when(cfg: Config, cpus: int | None = None) -> str:
+    """``trainer.video.when`` resolved: "auto" renders live where every process of the run has a
+    CPU of its own, and at the end of the run otherwise."""
+    when = cfg.trainer.video.when
+    if when != "auto":
+        return when
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    return "live" if cpus >= run_processes(cfg) else "end"
+
+
 class VideoRecorder:
     """The evaluator's side of ``trainer.video``: which evaluations to record, the MP4 files under
     ``RUN_DIR/videos`` and the frame strips in TensorBoard (an events file of the evaluator's own in
-    the run directory). Any failure to render, encode or write is logged and counted, never fatal."""
+    the run directory). Any failure to render, encode or write is logged and counted, never fatal.
 
-    def __init__(self, cfg: Config, run_dir: str | None, env):
+    Rendered ``live`` (during the evaluation) or at the ``end`` of the run (``trainer.video.when``):
+    then a chosen evaluation keeps only its actions (:class:`Deferred`), and :meth:`render_deferred`
+    replays them with rendering once training is over."""
+
+    def __init__(self, cfg: Config, run_dir: str | None, env, cpus: int | None = None):
         self.video = cfg.trainer.video
         self.episodes = min(self.video.episodes, cfg.trainer.num_eval_episodes)
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.enabled = self.video.every > 0 and self.run_dir is not None
         self.failures = 0
+        self.replay_mismatches = 0
+        self.deferred: list[Deferred] = []
+        self.when = video_when(cfg, cpus)
         self._writer = None
         if self.enabled and not hasattr(env, "render_frames"):
             log.warning("evaluator: trainer.video is on, but %s offers no frames (no render_frames): no videos",
@@ -109,8 +164,49 @@ class VideoRecorder:
         """Record evaluation number `count` (0-based)?"""
         return self.enabled and (final or count % self.video.every == 0)
 
+    def defers(self, count: int, final: bool) -> bool:
+        """Keep evaluation `count`'s actions and render it at the end? (The final evaluation runs
+        after training: it renders at once.)"""
+        return self.wants(count, final) and self.when == "end" and not final
+
     def buffers(self) -> dict[int, list]:
         return {i: [] for i in range(self.episodes)}
+
+    def defer(self, seed: int, version: int, env_steps: int, actions: list[torch.Tensor],
+              per_env: dict[int, float]) -> None:
+        """Keep what replays an evaluation: the recorded envs' actions, to the end of their episodes
+        (the replay checks their returns), ~24 KB for a 1000-step HalfCheetah episode."""
+        self.deferred.append(Deferred(seed, version, env_steps, torch.stack(actions)[:, :self.episodes].clone(),
+                                      {i: r for i, r in per_env.items() if i < self.episodes}))
+
+    def pending_frames(self) -> int:
+        """An upper bound on the frames :meth:`render_deferred` still has to render."""
+        return len(self.deferred) * self.episodes * self.video.max_frames
+
+    def render_deferred(self, env) -> list[Path]:
+        """Replay and render every deferred evaluation, oldest first. A replay whose returns differ
+        from the evaluation's (an env that is not deterministic) is logged and counted; its video
+        shows the replay."""
+        written = []
+        while self.deferred:
+            d = self.deferred.pop(0)
+            frames, per_env = self.buffers(), {}
+            try:
+                evaluate(None, env, len(frames), d.seed, frames=frames, max_frames=self.video.max_frames,
+                         frame_every=self.video.frame_every, replay=d.actions, per_env=per_env)
+            except Exception as e:
+                self.failures += 1
+                log.warning("evaluator: could not render the video of version %s: %s: %s", d.version,
+                            type(e).__name__, e)
+                continue
+            off = {i: (r, per_env[i]) for i, r in d.returns.items()
+                   if i in per_env and abs(per_env[i] - r) > 1e-6 * max(1.0, abs(r))}
+            if off:
+                self.replay_mismatches += 1
+                log.warning("evaluator: the replay of version %s's evaluation diverged (return evaluated, "
+                            "replayed: %s); its video shows the replay", d.version, off)
+            written += self.write(frames, d.version, d.env_steps)
+        return written
 
     def write(self, frames: dict[int, list], version: int, env_steps: int) -> list[Path]:
         from shared.video import frame_strip, write_mp4
@@ -156,6 +252,9 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     policy = make_policy(cfg, env.spec).eval()
     video = VideoRecorder(cfg, run_dir, env)
     if video.enabled:
+        if video.when == "end":
+            log.info("evaluator: videos are rendered when training ends (trainer.video.when %r: %d CPUs for "
+                     "%d processes)", t.video.when, len(os.sched_getaffinity(0)), run_processes(cfg))
         os.nice(19)   # rendering is slow: it must take CPU from training only when training leaves some
     ctx = zmq.Context()
     client = CurveClient.from_strings(curve) if curve is not None else None
@@ -184,7 +283,10 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 continue
             if final and last is not None and last["version"] == meta.get("version"):
                 last["final"] = True
+                last["video_frames_pending"] = video.pending_frames()
                 push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
+                if video.deferred:
+                    video.render_deferred(env)
                 continue
             try:
                 if not load_published_(policy, td, meta, shm, "cpu"):
@@ -193,31 +295,43 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                 log.warning("evaluator: could not load weights version %r: %s", meta.get("version"), e)
                 continue
             t0 = time.perf_counter()
-            frames = video.buffers() if video.wants(count, final) else None
+            deferring = video.defers(count, final)
+            frames = video.buffers() if video.wants(count, final) and not deferring else None
+            actions: list | None = [] if deferring else None
+            per_env: dict[int, float] = {}
             env_metrics: list[dict] = []
+            seed = t.seed + 1_000_003 + count
             try:
-                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count,
+                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
                                                        frames=frames, max_frames=t.video.max_frames,
-                                                       frame_every=t.video.frame_every, metrics=env_metrics)
+                                                       frame_every=t.video.frame_every, metrics=env_metrics,
+                                                       actions=actions, per_env=per_env)
             except Exception as e:
                 if frames is None:
                     raise
                 # the renderer failed: say so, stop recording, and evaluate without it
                 log.warning("evaluator: rendering failed (%s: %s); videos are off for this run", type(e).__name__, e)
                 video.enabled, frames, env_metrics = False, None, []
-                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=t.seed + 1_000_003 + count,
+                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
                                                        metrics=env_metrics)
             version = meta.get("version")
-            if frames and isinstance(version, int) and not isinstance(version, bool):   # it names the files
-                video.write(frames, version, steps)
+            if isinstance(version, int) and not isinstance(version, bool):   # it names the files
+                if frames:
+                    video.write(frames, version, steps)
+                elif actions:
+                    video.defer(seed, version, steps, actions, per_env)
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
             last = dict(kind="eval", sender="evaluator", token=token, version=meta.get("version"), env_steps=steps,
                         returns=returns, lengths=lengths, successes=successes, final=final,
                         metrics=mean_metrics(env_metrics),
-                        eval_s=time.perf_counter() - t0)
+                        eval_s=time.perf_counter() - t0,
+                        **({"video_frames_pending": video.pending_frames()} if final else {}))
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
+            if final and video.deferred:   # training is over: render what was kept for now
+                log.info("evaluator: rendering %d deferred evaluation videos", len(video.deferred))
+                video.render_deferred(env)
     finally:
         video.close()
         env.close()

@@ -83,6 +83,7 @@ class LearnerRun:
         self.recv_stop = threading.Event()
         self.receiver_died: list[str] = []
         self.eval_proc = None
+        self.video_frames_pending = 0             # deferred video frames the evaluator renders after the final eval
         self.held = None                          # several ranks: this rank's batch, waiting for the others
 
     # ================================================================ setup
@@ -290,6 +291,9 @@ class LearnerRun:
                 continue
             learner.log_eval(meta)
             if meta.get("final"):
+                pending = meta.get("video_frames_pending", 0)
+                if isinstance(pending, int) and not isinstance(pending, bool) and pending > 0:
+                    self.video_frames_pending = pending
                 return
 
     def _stop_receiver(self, exit_code: int) -> None:
@@ -306,7 +310,13 @@ class LearnerRun:
         proc = self.eval_proc
         if proc is None:
             return
-        proc.join(timeout=2)
+        wait = 2.0
+        if self.video_frames_pending and exit_code == 0 and not self.stop.is_set():
+            # videos deferred to the end of the run (trainer.video.when): software GL takes ~0.1-0.3 s a frame
+            wait += 0.5 * self.video_frames_pending
+            say(f"[learner] the evaluator renders its deferred videos ({self.video_frames_pending} frames at most; "
+                f"waiting up to {wait:.0f} s)")
+        proc.join(timeout=wait)
         if proc.is_alive():
             proc.terminate()          # the evaluator keeps nothing: SIGTERM ends it at once
             proc.join(timeout=2)

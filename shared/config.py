@@ -60,8 +60,8 @@ class VideoConfig:
     ``RUN_DIR/videos/eval_v<version>_ep<i>.mp4``, and a strip of frames into TensorBoard
     (``eval/video/ep<i>``). Needs PyAV (``pip install -e '.[video]'``) and an env that renders:
     gymnasium envs through ``render_mode="rgb_array"`` (MuJoCo: set ``MUJOCO_GL=egl`` where there is
-    no display), ``tandem/Reach-v0`` from its camera image. Rendering slows only the evaluator, which
-    then runs at the lowest CPU priority (nice 19) with one software-rasteriser thread."""
+    no display), ``tandem/Reach-v0`` from its camera image. The evaluator then runs at the lowest
+    CPU priority (nice 19) with one software-rasteriser thread."""
     every: Annotated[int, Range(ge=0)] = 0
     """Record every this many evaluations (1: all), plus the final one; 0: no videos."""
     episodes: Annotated[int, Range(ge=1)] = 1
@@ -71,6 +71,14 @@ class VideoConfig:
     """Frames kept per episode: the first ones (a 1000-step episode need not be 1000 renders)."""
     frame_every: Annotated[int, Range(ge=1)] = 1
     """Render every this many env steps."""
+    when: Literal["auto", "live", "end"] = "auto"
+    """When a chosen evaluation is rendered. ``live``: during the evaluation, so its video appears
+    mid-run (rendering then competes with training for CPU). ``end``: the evaluation keeps only its
+    actions, and the evaluator replays them from the same seed with rendering after the final
+    evaluation (videos of a run stopped by a signal are lost; the final evaluation renders at once).
+    ``auto``: ``live`` where the host has a CPU for every process of the run (learner ranks +
+    actors + evaluator), else ``end``. On the 2-core test VM, live rendering cost HalfCheetah's
+    training 0-20%; ``end`` costs it nothing (README, "Evaluation videos")."""
 
 
 @dataclass

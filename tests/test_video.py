@@ -96,6 +96,71 @@ def test_recorder_choice_of_evaluations_and_files(tmp_path):
     assert not VideoRecorder(cfg, str(tmp_path), make_env("tandem/Pendulum-v0", 2)).enabled
 
 
+class _Proprio(torch.nn.Module):
+    """A deterministic policy for Reach whose action depends on the state (a fixed random map of
+    the proprioceptive vector), so a replay that drifts shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.randn(4, 2, generator=torch.Generator().manual_seed(3))
+
+    def forward(self, td, deterministic=True):
+        td.set(keys.ACTION, torch.tanh(td[keys.OBS]["proprio"] @ self.w + 0.3))
+        return td
+
+
+def _state_reach():
+    cfg = _reach_cfg()
+    return cfg, make_env(cfg.env.id, 4, cfg.env.cfg), _Proprio()
+
+
+def test_a_replay_of_the_actions_renders_the_frames_live_rendering_gives():
+    cfg, env, policy = _state_reach()
+    live = {0: [], 1: []}
+    returns, lengths, _ = evaluate(policy, env, 4, seed=9, frames=live, max_frames=8, frame_every=2)
+    actions, per_env = [], {}
+    assert evaluate(policy, env, 4, seed=9, actions=actions, per_env=per_env)[:2] == (returns, lengths)
+    assert len(actions) == max(lengths) and per_env == dict(enumerate(returns))
+    replayed, again = {0: [], 1: []}, {}
+    evaluate(None, env, 4, seed=9, frames=replayed, max_frames=8, frame_every=2, replay=actions, per_env=again)
+    for i in (0, 1):
+        assert len(replayed[i]) == len(live[i]) > 1
+        assert all(np.array_equal(a, b) for a, b in zip(live[i], replayed[i]))
+        assert again[i] == returns[i]
+
+
+@pytest.mark.parametrize("cpus,processes,expected", [(16, 4, "live"), (4, 4, "live"), (2, 4, "end"), (3, 5, "end")])
+def test_auto_renders_live_only_where_every_process_has_a_cpu(cpus, processes, expected):
+    from learner.evaluator import run_processes, video_when
+    cfg = config_from_dict({"actors": {"num_actors": processes - 2}}, source="test")
+    assert run_processes(cfg) == processes
+    assert video_when(cfg, cpus) == expected
+    for when in ("live", "end"):
+        forced = config_from_dict({"actors": {"num_actors": processes - 2}, "trainer": {"video": {"when": when}}},
+                                  source="test")
+        assert video_when(forced, cpus) == when
+
+
+def test_deferred_evaluations_are_rendered_after_training_and_a_diverged_replay_is_flagged(tmp_path, caplog):
+    cfg, env, policy = _state_reach()
+    rec = VideoRecorder(cfg, str(tmp_path), env, cpus=1)
+    assert rec.when == "end" and rec.defers(0, final=False) and not rec.defers(1, final=False)
+    assert not rec.defers(0, final=True)                     # the final evaluation renders at once
+    live = rec.buffers()
+    evaluate(policy, env, 4, seed=4, frames=live)
+    for version, shift in ((3, 0.0), (5, 0.7)):
+        actions, per_env = [], {}
+        evaluate(policy, env, 4, seed=4, actions=actions, per_env=per_env)
+        rec.defer(4, version, 100 * version, [a + shift for a in actions] if shift else actions, per_env)
+    assert rec.pending_frames() == 2 * 2 * cfg.trainer.video.max_frames
+    written = rec.render_deferred(env)
+    rec.close()
+    assert [p.name for p in written] == ["eval_v3_ep0.mp4", "eval_v3_ep1.mp4", "eval_v5_ep0.mp4", "eval_v5_ep1.mp4"]
+    assert read_mp4(written[0]).shape == read_mp4(write_mp4(tmp_path / "live.mp4", live[0])).shape
+    assert rec.deferred == [] and rec.pending_frames() == 0
+    assert rec.replay_mismatches == 1 and "version 5" in caplog.text   # the shifted actions do not replay
+
+
 def test_a_failure_to_encode_is_logged_not_fatal(tmp_path, monkeypatch, caplog):
     import shared.video
     cfg = _reach_cfg()
@@ -125,8 +190,13 @@ cfg = config_from_dict({{"env": {{"id": "HalfCheetah-v5", "cfg": {{"max_episode_
                        source="t")
 env = make_env(cfg.env.id, 2, cfg.env.cfg, render=True)
 frames = {{1: []}}
-_, lengths, _ = evaluate(make_policy(cfg, env.spec).eval(), env, 2, seed=0, frames=frames)
+policy = make_policy(cfg, env.spec).eval()
+_, lengths, _ = evaluate(policy, env, 2, seed=0, frames=frames)
 v = read_mp4(write_mp4({str(tmp_path / 'hc.mp4')!r}, frames[1]))
+actions, replayed = [], {{1: []}}
+evaluate(policy, env, 2, seed=0, actions=actions)
+evaluate(None, env, 2, seed=0, frames=replayed, replay=actions)   # trainer.video.when "end"
+assert len(replayed[1]) == len(frames[1]) and all(np.array_equal(a, b) for a, b in zip(frames[1], replayed[1]))
 print(lengths[1], v.shape, float(v.std()))
 """
     env = {**os.environ, "MUJOCO_GL": "egl", "PYTHONPATH": str(ROOT)}
@@ -139,16 +209,18 @@ print(lengths[1], v.shape, float(v.std()))
 
 
 @pytest.mark.slow
-def test_launcher_run_writes_videos_that_decode(tmp_path):
+@pytest.mark.parametrize("when", ["live", "end"])
+def test_launcher_run_writes_videos_that_decode(tmp_path, when):
     """launch/run_local.sh on HalfCheetah with trainer.video on: an MP4 per recorded evaluation
-    (every 2nd, and the final one), each decodable, with the configured frame count and size."""
+    (every 2nd, and the final one), each decodable, with the configured frame count and size, whether
+    rendered during the run or replayed after it."""
     run = tmp_path / "run"
     cmd = ["bash", str(ROOT / "launch" / "run_local.sh"), "--config", str(ROOT / "configs" / "halfcheetah_ppo.json"),
            "--steps", "16384", "--out", str(run), "--set", "trainer.eval_freq=4096", "--set", "actors.slowdown_s=0.01",
            "--set", "trainer.num_eval_episodes=2", "--set", "trainer.video.every=2",
            "--set", "trainer.video.max_frames=12", "--set", "trainer.video.episodes=1",
            "--set", 'env.cfg={"width": 80, "height": 64}', "--set", "actors.num_envs=4",
-           "--set", "algorithm.cfg.n_epochs=1"]
+           "--set", "algorithm.cfg.n_epochs=1", "--set", f"trainer.video.when={when}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     videos = sorted((run / "videos").glob("eval_v*_ep0.mp4"))
