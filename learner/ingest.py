@@ -90,9 +90,13 @@ def check_eval(meta: dict) -> dict:
     metrics = meta.get("metrics")
     if metrics is not None and not isinstance(metrics, dict):
         raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: metrics must be a map of numbers")
+    pending = meta.get("video_frames_pending", 0)
+    if not (_is_int(pending) and 0 <= pending <= 10_000_000):
+        raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: video_frames_pending must be an "
+                              f"int in [0, 1e7], got {pending!r}")
     return {"returns": [float(r) for r in returns], "lengths": lengths, "successes": successes,
             "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final")),
-            "metrics": clean_metrics(metrics)}
+            "metrics": clean_metrics(metrics), "video_frames_pending": pending}
 
 
 def message_limits(template: TensorDictBase) -> tuple[int, int]:

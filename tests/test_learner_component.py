@@ -264,7 +264,9 @@ def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
     assert len(learner.buffer) == 1 and list(learner._episodes) == [(1.0, 3)]
     for bad in ({"returns": ["x"], "lengths": [1], "version": 0, "env_steps": 0},
                 {"returns": [1.0], "lengths": [1, 2], "version": 0, "env_steps": 0},
-                {"returns": [1.0], "lengths": [1], "version": "0", "env_steps": 0}):
+                {"returns": [1.0], "lengths": [1], "version": "0", "env_steps": 0},
+                {"returns": [1.0], "lengths": [1], "version": 0, "env_steps": 0, "video_frames_pending": -1},
+                {"returns": [1.0], "lengths": [1], "version": 0, "env_steps": 0, "video_frames_pending": 1e9}):
         with pytest.raises(RejectedMessage, match="malformed eval result"):
             learner.intake.eval_result({"kind": "eval", **bad})
     # the rollout socket takes no evaluation results, however well-formed (anyone can reach it)
@@ -276,6 +278,8 @@ def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
         learner.intake.eval_result({**good, "token": "guess"})
     learner.intake.eval_result({**good, "token": "s3cret"})
     assert learner.evals.get_nowait()["returns"] == [1.0]
+    learner.intake.eval_result({**good, "token": "s3cret", "final": True, "video_frames_pending": 600})
+    assert learner.evals.get_nowait()["video_frames_pending"] == 600   # the learner waits for deferred videos
     learner.update_once(*learner.take_batch(timeout_s=0))      # logs a consume event with seq None
     logger.close()
     import json

@@ -4,6 +4,7 @@ launcher run that writes decodable videos."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -227,4 +228,10 @@ def test_launcher_run_writes_videos_that_decode(tmp_path, when):
     assert len(videos) >= 2, (list((run / "videos").glob("*")), p.stderr[-2000:])
     for v in videos:
         assert read_mp4(v).shape == (12, 64, 80, 3)
+    # every 2nd evaluation (counting from the first) has its video, rendered live or replayed at the end
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/return_mean" in line]
+    wanted = {e["version"] for e in evals[::2]}
+    assert wanted <= {int(v.name.split("_")[1][1:]) for v in videos}, (wanted, videos)
+    if when == "end":
+        assert "renders its deferred videos" in p.stdout + p.stderr
     assert list(run.glob("events.out.tfevents.*.evaluator"))
