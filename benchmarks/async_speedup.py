@@ -5,6 +5,7 @@
                                                  [--buffer-size 32] [--max-lag 8] [--per-update actors|one]
                                                  [--variants std1-1dev,vla4-1dev,thread-1dev,std4-4dev,vla4-4dev]
                                                  [--json out.json] [--keep-runs DIR] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/async_speedup.py --aggregate seed1.json seed2.json seed3.json
 
 Every variant trains the same config to the same number of env steps, with an emulated inference
 latency of ``a + b x N`` seconds per acting call on N envs (``--latency`` a,
@@ -487,6 +488,37 @@ def fmt_equal(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def aggregate(docs: list[dict]) -> str:
+    """Several runs' ``--json`` files (one per seed, ``--set trainer.seed=N``): the equal-hardware
+    table with each figure's mean +- standard deviation over the runs."""
+    import statistics
+    by: dict[tuple[str, str], list[dict]] = {}
+    for doc in docs:
+        for row in doc.get("equal", []):
+            by.setdefault((row["group"], row["variant"]), []).append(row)
+
+    def ms(rows: list[dict], key: str, spec: str) -> str:
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        if not xs:
+            return "-"
+        if len(xs) == 1:
+            return format(xs[0], spec)
+        return f"{format(statistics.mean(xs), spec)} ± {format(statistics.stdev(xs), spec)}"
+
+    seeds = sorted({d.get("seed") for d in docs if d.get("seed") is not None})
+    lat = {(d.get("latency_s"), d.get("latency_per_env_s")) for d in docs}
+    lines = [f"{len(docs)} runs (seeds {seeds}); latency (a, b): {', '.join(map(str, sorted(lat, key=str)))}",
+             "| hardware | variant | wall s | window s | collect s | update s | speed-up | bound | share | "
+             "final return | mean lag |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (group, variant), rows in by.items():
+        std = variant.startswith("standard")
+        lines.append(f"| {group} | {variant} | {ms(rows, 'wall_s', '.1f')} | {ms(rows, 'window_s', '.1f')} | "
+                     f"{ms(rows, 'collect_s', '.1f') if std else ''} | {ms(rows, 'update_s', '.1f') if std else ''} | "
+                     f"{ms(rows, 'speedup', '.2f')} | {ms(rows, 'bound', '.2f')} | {ms(rows, 'share_of_bound', '.2f')} | "
+                     f"{ms(rows, 'eval_return', '.1f')} | {ms(rows, 'lag_mean', '.2f')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/async_speedup.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -517,6 +549,14 @@ def main(argv: list[str] | None = None) -> int:
                         "dir, deleted)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every variant, applied before the benchmark's own (repeatable)")
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--aggregate"]:
+        if len(argv) < 2:
+            print("usage: benchmarks/async_speedup.py --aggregate RUN.json [RUN.json ...]", file=sys.stderr)
+            return 2
+        print(aggregate([json.loads(Path(f).read_text()) for f in argv[1:]]))
+        return 0
     args = p.parse_args(argv)
     if (args.latency < 0 or args.latency_per_env < 0 or args.steps < 1 or args.num_envs < 1 or args.buffer_size < 1
             or args.max_lag < 0):
@@ -630,12 +670,13 @@ def main(argv: list[str] | None = None) -> int:
     print("final deterministic eval return: " + " | ".join(f"{r.label} {_f(r.eval_return, '.1f')}" for r in results))
 
     if args.json:
-        doc = {"config": str(args.config), "env": cfg.env.id, "latency_s": args.latency, "steps": args.steps,
+        doc = {"config": str(args.config), "env": cfg.env.id, "latency_s": args.latency,
+               "latency_per_env_s": args.latency_per_env, "seed": cfg.trainer.seed, "steps": args.steps,
                "num_envs": args.num_envs, "buffer_size": args.buffer_size, "per_update": args.per_update,
                "max_policy_lag": args.max_lag,
                "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
                "overrides": {n: variant_overrides(args, VARIANTS[n]) for n in names},
-               "results": [asdict(r) for r in results],
+               "results": [asdict(r) for r in results], "equal": equal,
                "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
                "machine": machine_info(),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

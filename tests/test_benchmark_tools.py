@@ -1,0 +1,84 @@
+"""The benchmark scripts' arithmetic: the latency calibration's fit, the async speed-up's multi-seed
+table, and the in-flight benchmark's overrides, table and ratios (the runs themselves are benchmarks,
+not tests)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import async_speedup  # noqa: E402
+import calibrate_latency  # noqa: E402
+import inflight_latency  # noqa: E402
+
+
+def test_fit_line_recovers_a_and_b():
+    a, b = calibrate_latency.fit_line([1, 4, 16], [0.05 + 0.01 * n for n in (1, 4, 16)])
+    assert a == pytest.approx(0.05) and b == pytest.approx(0.01)
+    assert calibrate_latency.fit_line([8], [0.3]) == (0.3, 0.0)
+
+
+def test_calibration_times_a_real_policy_and_scales(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert calibrate_latency.main.__module__ == "calibrate_latency"
+    argv = sys.argv
+    sys.argv = ["calibrate_latency.py", "--config", str(ROOT / "configs" / "cartpole_ppo.json"),
+                "--batches", "1,8", "--repeats", "2", "--scale-to", "0.2@8", "--json", str(out)]
+    try:
+        assert calibrate_latency.main() == 0
+    finally:
+        sys.argv = argv
+    doc = json.loads(out.read_text())
+    assert [r["batch"] for r in doc["rows"]] == [1, 8] and all(r["median_s"] > 0 for r in doc["rows"])
+    assert doc["scaled_a"] + 8 * doc["scaled_b"] == pytest.approx(0.2)
+    assert "--latency" in capsys.readouterr().out
+
+
+def _row(group, variant, wall, speedup, ret, lag, collect=None, update=None, bound=None):
+    return {"group": group, "variant": variant, "wall_s": wall, "window_s": wall - 5, "collect_s": collect,
+            "update_s": update, "speedup": speedup, "bound": bound,
+            "share_of_bound": None if bound is None else speedup / bound, "eval_return": ret, "lag_mean": lag}
+
+
+def test_aggregate_gives_mean_and_std_per_variant():
+    docs = [{"seed": s, "latency_s": 0.2, "latency_per_env_s": 0.0,
+             "equal": [_row("4 devices", "standard 4x16", 100 + s, 1.0, 200 + 10 * s, 0.0, 95.0, 5.0, 1.05),
+                       _row("4 devices", "vla 4x16", 96 + s, 1.04, 190 + 10 * s, 1.0 + s / 10, bound=1.05)]}
+            for s in (1, 2, 3)]
+    text = async_speedup.aggregate(docs)
+    assert "seeds [1, 2, 3]" in text
+    std_line = next(line for line in text.splitlines() if "standard 4x16" in line)
+    assert "| 102.0 ± 1.0 |" in std_line and "| 220.0 ± 10.0 |" in std_line and "| 95.0 ± 0.0 |" in std_line
+    vla_line = next(line for line in text.splitlines() if "| vla 4x16" in line)
+    assert "| 1.04 ± 0.00 |" in vla_line and "| 0.99 ± 0.00 |" in vla_line and "| 1.20 ± 0.10 |" in vla_line
+    assert async_speedup.main(["--aggregate"]) == 2
+
+
+def test_inflight_overrides_and_report():
+    import argparse
+    a = argparse.Namespace(steps=1000, max_lag=8, buffer_size=64, actors=4, num_envs=16, latency=0.03, sets=["x.y=1"])
+    sets = inflight_latency.overrides(a, "step", 2)
+    pairs = dict(s.split("=", 1) for s in sets if s != "--set")
+    assert pairs["actors.weights_at"] == "step" and pairs["trainer.seed"] == "2"
+    assert pairs["trainer.lag_policy"] == "pace" and pairs["trainer.rollouts_per_update"] == "1"
+    assert pairs["x.y"] == "1" and sets[-1] == "x.y=1"   # the user's overrides come last and win
+
+    def r(setting, seed, lag, sps, ret):
+        return {"setting": setting, "seed": seed, "mean_lag": lag, "p95_lag": round(lag + 1), "sps": sps,
+                "multi_version_share": 0.9 if setting == "step" else 0.0, "final_return": ret, "dropped": 0,
+                "curve": [(1.0, ret / 2), (2.0, ret)]}
+    results = [r("rollout", 1, 4.0, 1000, 400), r("step", 1, 1.5, 990, 450),
+               r("rollout", 2, 4.2, 1010, 420), r("step", 2, 1.7, 1000, 470)]
+    q = inflight_latency.ratios(results)
+    assert q["lag_rollout_over_step"] == pytest.approx(4.1 / 1.6)
+    assert q["sps_step_over_rollout"] == pytest.approx(995 / 1005)
+    assert q["return_step_minus_rollout"] == pytest.approx(50)
+    text = inflight_latency.table(results)
+    assert "| step | 1 | 1.50 | 2 | 90% | 990 | 450.0 | 0 |" in text
+    assert "| rollout | 4.10 ± 0.14 |" in text
