@@ -24,7 +24,7 @@ from tensordict import TensorDictBase
 from actors.emulated_device import device_for
 from actors.rollout import Collector, sends_bootstrap_obs
 from shared import wire
-from shared.config import Config
+from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
@@ -101,7 +101,7 @@ class Actor:
         self.max_inflight = max(math.ceil(k / n), min(math.ceil(max(1, t.max_policy_lag) * k / n), capacity // n))
         self.pace = t.buffer_type == "vla" and t.lag_policy == "pace"
         # in-flight weight updates: vla mode only (standard mode trains each version on its own data)
-        self.in_flight = t.buffer_type == "vla" and cfg.actors.weights_at == "step"
+        self.in_flight = weights_at(cfg) == "step"
 
     # ------------------------------------------------------------------ weights
     def _poll(self, timeout_ms: int = 0) -> bool:

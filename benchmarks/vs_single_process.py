@@ -9,9 +9,10 @@ In one sitting, for every seed in turn, every variant trains the config to the s
 - ``standard`` -- ``launch/run_local.sh --config C``, the config as it is, with
   ``trainer.buffer_type=standard``: collect, then train, the actors waiting for every update.
 - ``overlap`` -- the same with ``trainer.buffer_type=vla``, ``lag_policy=pace``,
-  ``max_policy_lag=1`` and ``actors.nice=10``: the actors collect the next rollouts while the learner
-  trains on the last ones, so every sample is trained on by the version after the one that acted
-  (lag exactly 1), and the learner's update runs first where they compete for a core.
+  ``max_policy_lag=1``, ``actors.nice=10`` and ``actors.weights_at=rollout``: the actors collect the
+  next rollouts while the learner trains on the last ones, so every sample is trained on by the
+  version after the one that acted (lag exactly 1), and the learner's update runs first where they
+  compete for a core.
 - ``plain`` -- a single-process loop built from Tandem's own pieces (one :class:`Collector` stepping
   every env, ``num_actors x num_envs``; the same :class:`Learner` update), run synchronously in a
   fresh interpreter with torch's default threads: the same algorithm, without processes.
@@ -62,7 +63,7 @@ DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 VARIANTS = ("standard", "overlap", "plain", "sb3")
 TANDEM_SETS = {"standard": ["trainer.buffer_type=standard"],
                "overlap": ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1",
-                           "actors.nice=10"]}
+                           "actors.nice=10", "actors.weights_at=rollout"]}
 STOP_S = 10.0
 
 

@@ -144,6 +144,18 @@ class Run:
         return node
 
     @property
+    def weights_at(self) -> str:
+        """When the actors took new weights, resolved as ``shared.config.weights_at`` does: "step"
+        or "rollout" ("auto" is step in vla mode with sync_every 1; runs from before the key existed
+        took weights at rollout boundaries)."""
+        if self.setting("trainer", "buffer_type") != "vla":
+            return "rollout"
+        value = self.setting("actors", "weights_at", default="rollout")
+        if value == "auto":
+            return "step" if self.setting("actors", "sync_every", default=1) == 1 else "rollout"
+        return str(value)
+
+    @property
     def correction(self) -> str:
         """The off-policy correction of the algorithm ("none" when not configured)."""
         return str(self.setting("algorithm", "cfg", "correction", default="none"))
@@ -697,7 +709,7 @@ def table_row(run: Run) -> list[str]:
         _fmt_value(run.setting("env", "id")),
         _fmt_value(run.setting("trainer", "buffer_type")),
         _fmt_value(run.setting("actors", "sync_every")),
-        _fmt_value(run.setting("actors", "weights_at", default="rollout")),
+        run.weights_at,
         _fmt_value(run.setting("actors", "weights_delay_s")),
         _fmt_value(run.setting("trainer", "lag_policy")),
         run.correction,

@@ -7,14 +7,15 @@
 #
 # Every run uses trainer.buffer_type=vla with trainer.lag_policy=pace and a max_policy_lag large
 # enough that nothing is dropped, so all runs train on the same amount of data and the lag is set by
-# actors.sync_every (an actor takes new weights only every K rollouts) and, optionally,
+# actors.sync_every (an actor takes new weights only at rollout boundaries, actors.weights_at=rollout,
+# and only every K rollouts) and, optionally,
 # actors.weights_delay_s (seconds a weights message waits before an actor may load it).
 # Runs go to DIR/sync{K}_delay{D}_{correction}_s{seed} (DIR defaults to outputs/sweep_<config>);
 # the report to DIR/report. An existing run directory with a summary.json is kept (the sweep resumes).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 [[ $# -ge 1 && "$1" != -h && "$1" != --help ]] || { usage; [[ $# -ge 1 ]]; exit $?; }
 CONFIG="$1"; shift
 OUT=""; SYNCS="1 4 16"; CORRECTIONS="none vtrace"; DELAYS="0"; SEEDS="1"; STEPS=""; SETS=()
@@ -56,7 +57,7 @@ for seed in $SEEDS; do for k in $SYNCS; do for d in $DELAYS; do for c in $CORREC
   rm -rf "$run"
   args=(--config "$CONFIG" --out "$run" --set trainer.buffer_type=vla --set trainer.lag_policy=pace
         --set "trainer.max_policy_lag=$max_lag" --set "actors.sync_every=$k" --set "actors.weights_delay_s=$d"
-        --set "algorithm.cfg.correction=$c" --set "trainer.seed=$seed")
+        --set "algorithm.cfg.correction=$c" --set "trainer.seed=$seed" --set actors.weights_at=rollout)
   [[ -n "$STEPS" ]] && args+=(--steps "$STEPS")
   for s in "${SETS[@]+"${SETS[@]}"}"; do args+=(--set "$s"); done
   echo "[sweep] $label"

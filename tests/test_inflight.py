@@ -138,3 +138,26 @@ def test_step_and_sync_every_cannot_be_combined():
                          source="test")
     with pytest.raises(ConfigError, match="weights_at"):
         config_from_dict({"actors": {"weights_at": "sometimes"}}, source="test")
+
+
+@pytest.mark.parametrize("buffer_type,weights_at,sync_every,expected", [
+    ("vla", "auto", 1, "step"),          # the default: in-flight updates in vla mode
+    ("vla", "auto", 4, "rollout"),       # holding weights for several rollouts asks for rollout boundaries
+    ("vla", "rollout", 1, "rollout"),
+    ("vla", "step", 1, "step"),
+    ("standard", "auto", 1, "rollout"),  # standard mode trains every version on its own data
+    ("standard", "step", 1, "rollout"),
+])
+def test_auto_takes_weights_between_steps_in_vla_mode_unless_sync_every_holds_them(buffer_type, weights_at,
+                                                                                     sync_every, expected):
+    from shared.config import weights_at as resolve
+    cfg = config_from_dict({"trainer": {"buffer_type": buffer_type},
+                            "actors": {"weights_at": weights_at, "sync_every": sync_every}}, source="test")
+    assert resolve(cfg) == expected
+    assert config_from_dict({}, source="test").actors.weights_at == "auto"
+
+
+def test_the_actor_follows_the_resolved_setting():
+    for weights_at, in_flight in (("auto", True), ("rollout", False)):
+        cfg, learner, pub, actor, sink = _setup(weights_at)
+        assert actor.in_flight is in_flight
