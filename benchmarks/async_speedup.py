@@ -514,7 +514,8 @@ def aggregate(docs: list[dict]) -> str:
         std = variant.startswith("standard")
         lines.append(f"| {group} | {variant} | {ms(rows, 'wall_s', '.1f')} | {ms(rows, 'window_s', '.1f')} | "
                      f"{ms(rows, 'collect_s', '.1f') if std else ''} | {ms(rows, 'update_s', '.1f') if std else ''} | "
-                     f"{ms(rows, 'speedup', '.2f')} | {ms(rows, 'bound', '.2f')} | {ms(rows, 'share_of_bound', '.2f')} | "
+                     f"{ms(rows, 'speedup', '.2f')} | {ms(rows, 'bound', '.2f')} | "
+                     f"{'' if std else ms(rows, 'share_of_bound', '.2f')} | "
                      f"{ms(rows, 'eval_return', '.1f')} | {ms(rows, 'lag_mean', '.2f')} |")
     return "\n".join(lines)
 
@@ -581,15 +582,25 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     cfg = cfgs[names[0]]
-    per_update = args.num_envs * args.buffer_size
-    shape = ("one rollout per update of " if args.per_update == "one" else
-             "an update takes one rollout from each actor, of ")
-    print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps, {cfg.actors.num_envs} envs per "
-          f"actor, {per_update} samples per update ({math.ceil(args.steps / per_update)} updates): {shape}"
-          f"{args.buffer_size} steps{'' if args.per_update == 'one' else ' / actors'}, "
-          f"{cfg.algorithm.cfg.n_epochs} epochs of minibatch "
-          f"{cfg.algorithm.cfg.batch_size}, inference latency {args.latency} s per acting call, max lag "
-          f"{args.max_lag} | {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}", flush=True)
+    if any(VARIANTS[n].equal for n in names):
+        per_update = EQUAL_ACTORS * args.num_envs * args.buffer_size
+        print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps; equal hardware: "
+              f"{EQUAL_ACTORS * args.num_envs} envs in all, {per_update} samples per update "
+              f"({math.ceil(args.steps / per_update)} updates), one rollout of {args.buffer_size} steps from each "
+              f"actor; {cfg.algorithm.cfg.n_epochs} epochs of minibatch {cfg.algorithm.cfg.batch_size}; latency "
+              f"{args.latency} s + {args.latency_per_env} s x envs per acting call; max lag {args.max_lag} | "
+              f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}", flush=True)
+    if any(not VARIANTS[n].equal for n in names):
+        per_update = args.num_envs * args.buffer_size
+        shape = ("one rollout per update of " if args.per_update == "one" else
+                 "an update takes one rollout from each actor, of ")
+        print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps; unequal variants: "
+              f"{args.num_envs} envs per actor, {per_update} samples per update "
+              f"({math.ceil(args.steps / per_update)} updates): {shape}"
+              f"{args.buffer_size} steps{'' if args.per_update == 'one' else ' / actors'}, "
+              f"{cfg.algorithm.cfg.n_epochs} epochs of minibatch "
+              f"{cfg.algorithm.cfg.batch_size}, inference latency {args.latency} s per acting call, max lag "
+              f"{args.max_lag} | {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}", flush=True)
     if os.getloadavg()[0] > 1.0:
         print("[async] note: the machine is not idle; other processes share the cores and skew the figures",
               flush=True)

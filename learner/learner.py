@@ -206,7 +206,7 @@ class Learner:
         self.evals: "queue.Queue[dict]" = queue.Queue(maxsize=64)   # results from the evaluator
         self.last_eval: dict | None = None
         self.start_time = time.time()
-        self.accepting = True          # False once training is over (final checkpoint and eval)
+        self.accepting = True          # False once the run's env steps are all in (LearnerRun._drain)
         self.first_rollout_time: float | None = None   # wall clock of the first and last rollout received
         self.last_rollout_time: float | None = None
         self._wait_s = 0.0

@@ -208,11 +208,23 @@ class LearnerRun:
                         break
                 else:
                     self._turn()
+            if self.ranks is None and not self.discard and not self.stop.is_set():
+                self._drain()
         except Exception as e:
             log.exception("learner failed")
             say(f"[learner] failed: {type(e).__name__}: {e}")
             return 1
         return 0
+
+    def _drain(self) -> None:
+        """The run's env steps are all in: take no more rollouts (they are beyond the budget: neither
+        counted nor stored), and train on every full batch already received. Without this, vla mode
+        dropped the last round of rollouts at shutdown when it arrived during the previous update.
+        A partial batch left over is dropped at shutdown, as before (counted)."""
+        self.learner.accepting = False
+        while (batch := self.learner.take_batch(timeout_s=0)) is not None:
+            self.learner.update_once(*batch)
+            self.learner.maybe_save()
 
     def _turn(self) -> None:
         batch = self.learner.take_batch(timeout_s=0.05)

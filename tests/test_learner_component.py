@@ -289,6 +289,7 @@ def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
 
 def test_actor_abandons_a_rollout_on_stop_and_never_loads_weights_mid_rollout():
     cfg = small_config(buffer_type="vla", buffer_size=400)
+    cfg.actors.weights_at = "rollout"    # weights only at rollout boundaries (step: tests/test_inflight.py)
     pub = ListPublisher()
     learner = Learner(cfg, run_dir=None, publisher=pub)
     learner.publish()
@@ -428,3 +429,24 @@ def test_pace_tells_actors_their_rollouts_are_taken_before_the_update_runs():
     kinds = [k for k, _ in order]
     assert kinds == ["control", "weights"]
     assert order[0][1]["kind"] == "credit" and order[0][1]["consumed"] == [1]
+
+
+def test_the_learner_trains_every_full_batch_received_before_it_stops():
+    """When the run's env steps are all in, the learner stops taking rollouts and trains on every
+    full batch it holds (vla mode used to drop the last round when it arrived during an update);
+    a partial batch is left for the shutdown's count of drops."""
+    from types import SimpleNamespace
+    from learner.process import LearnerRun
+    cfg = small_config(buffer_type="vla", total_steps=3 * 64, max_policy_lag=8, buffer_capacity=8)
+    learner, pub, sink, actor = wired(cfg)
+    for _ in range(3):                       # three rollouts of 4 envs x 16 steps, all acted by version 0
+        assert actor.step_once()
+        learner.ingest(*sink.messages[-1])
+    assert learner.finished and learner.updates == 0 and len(learner.buffer) == 3
+    LearnerRun._drain(SimpleNamespace(learner=learner))
+    assert learner.updates == 3 and len(learner.buffer) == 0 and not learner.accepting
+    assert actor.step_once()                 # beyond the budget: neither stored nor counted
+    learner.ingest(*sink.messages[-1])
+    assert len(learner.buffer) == 0 and learner.env_steps == 3 * 64
+    LearnerRun._drain(SimpleNamespace(learner=learner))
+    assert learner.updates == 3
