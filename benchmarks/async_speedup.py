@@ -477,7 +477,8 @@ def fmt_equal(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['group']:<14} {r['variant']:<16} {_f(r['wall_s'], '7.1f')} {_f(r['window_s'], '8.1f')} "
-                     f"{_f(r['speedup'], '8.2f')} {_f(r['bound'], '6.2f')} {_f(r['share_of_bound'], '6.2f')} "
+                     f"{_f(r['speedup'], '8.2f')} {_f(r['bound'], '6.2f')} "
+                     f"{'     -' if r['name'].startswith('std') else _f(r['share_of_bound'], '6.2f')} "
                      f"{_f(r['eval_return'], '7.1f')} {_f(r['lag_mean'], '5.2f')}")
     std = {r["group"]: r for r in rows if r["collect_s"] is not None}
     for g, r in std.items():
