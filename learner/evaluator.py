@@ -111,6 +111,9 @@ def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int,
             [x for x in successes if x is not None][:num_episodes])
 
 
+MAX_DEFERRED = 8   # evaluations waiting to be rendered at the end: a bound on the run's last minutes
+
+
 @dataclass
 class Deferred:
     """An evaluation whose video is rendered at the end of the run: what replays it."""
@@ -152,6 +155,7 @@ class VideoRecorder:
         self.enabled = self.video.every > 0 and self.run_dir is not None
         self.failures = 0
         self.replay_mismatches = 0
+        self.thinned = 0
         self.deferred: list[Deferred] = []
         self.when = video_when(cfg, cpus)
         self._writer = None
@@ -178,6 +182,13 @@ class VideoRecorder:
         (the replay checks their returns), ~24 KB for a 1000-step HalfCheetah episode."""
         self.deferred.append(Deferred(seed, version, env_steps, torch.stack(actions)[:, :self.episodes].clone(),
                                       {i: r for i, r in per_env.items() if i < self.episodes}))
+        if len(self.deferred) > MAX_DEFERRED:
+            # a long run: let every other older one go, so the videos kept stay spread over the run
+            keep = self.deferred[:-1][::2] + self.deferred[-1:]
+            self.thinned += len(self.deferred) - len(keep)
+            log.info("evaluator: %d deferred videos at most (MAX_DEFERRED): %d let go so far, every other older one",
+                     MAX_DEFERRED, self.thinned)
+            self.deferred = keep
 
     def pending_frames(self) -> int:
         """An upper bound on the frames :meth:`render_deferred` still has to render."""

@@ -76,6 +76,8 @@ class VideoConfig:
     mid-run (rendering then competes with training for CPU). ``end``: the evaluation keeps only its
     actions, and the evaluator replays them from the same seed with rendering after the final
     evaluation (videos of a run stopped by a signal are lost; the final evaluation renders at once).
+    At most 8 evaluations wait: beyond that every other older one is let go, so a long run's videos
+    stay spread over it and its end is not held up for long.
     ``auto``: ``live`` where the host has a CPU for every process of the run (learner ranks +
     actors + evaluator), else ``end``. On the 2-core test VM, live rendering cost HalfCheetah's
     training 0-20%; ``end`` costs it nothing (README, "Evaluation videos")."""

@@ -235,3 +235,17 @@ def test_launcher_run_writes_videos_that_decode(tmp_path, when):
     if when == "end":
         assert "renders its deferred videos" in p.stdout + p.stderr
     assert list(run.glob("events.out.tfevents.*.evaluator"))
+
+
+def test_a_long_run_keeps_a_bounded_spread_of_deferred_evaluations():
+    from learner.evaluator import MAX_DEFERRED
+    cfg, env, policy = _state_reach()
+    rec = VideoRecorder(cfg, None, env, cpus=1)
+    actions, per_env = [], {}
+    evaluate(policy, env, 4, seed=4, actions=actions, per_env=per_env)
+    for version in range(40):
+        rec.defer(4, version, 1000 * version, actions, per_env)
+        assert len(rec.deferred) <= MAX_DEFERRED
+    versions = [d.version for d in rec.deferred]
+    assert versions == sorted(versions) and versions[-1] == 39 and versions[0] == 0   # the first and the newest
+    assert rec.thinned == 40 - len(versions)
