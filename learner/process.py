@@ -303,9 +303,7 @@ class LearnerRun:
                 continue
             learner.log_eval(meta)
             if meta.get("final"):
-                pending = meta.get("video_frames_pending", 0)
-                if isinstance(pending, int) and not isinstance(pending, bool) and pending > 0:
-                    self.video_frames_pending = pending
+                self.video_frames_pending = meta["video_frames_pending"]   # an int in [0, 1e7]: check_eval
                 return
 
     def _stop_receiver(self, exit_code: int) -> None:
