@@ -60,6 +60,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 DPI = 120
+MAX_PIXELS = 6_000_000  # a figure of a large sweep (a panel per run) is saved at a lower dpi than DPI
 ROLLING_WINDOW = 20  # rollouts in the rolling mean of lag_over_time.png
 THROUGHPUT_BINS = 20  # bins of 5% of the run in actor_throughput.png
 FINAL_EVALS = 3  # evaluations averaged into a run's final return
@@ -492,9 +493,10 @@ def plot_return_vs_time(runs: Sequence[Run], colours: Sequence[Colour]) -> Figur
 
 def plot_actor_throughput(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     """Figure 4: env steps/s received from each actor over time, in bins of 5% of the run; a panel per run."""
-    ncols = 1 if len(runs) <= 3 else 2
+    ncols = 1 if len(runs) <= 3 else 2 if len(runs) <= 12 else 4
     nrows = math.ceil(len(runs) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(8 * ncols, 3.2 * nrows), squeeze=False)
+    width, height = (8, 3.2) if ncols <= 2 else (5.5, 2.8)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
     for ax in axes.flat[len(runs):]:
         ax.set_visible(False)
     for ax, run, colour in zip(axes.flat, runs, colours):
@@ -821,6 +823,13 @@ def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]],
     return "\n".join(lines)
 
 
+def figure_dpi(fig: Figure) -> float:
+    """DPI, or less for a figure that would exceed MAX_PIXELS at DPI (a panel-per-run figure of a
+    72-run sweep was 2.4 MB): every figure stays a picture a README can show."""
+    w, h = fig.get_size_inches()
+    return min(DPI, math.sqrt(MAX_PIXELS / (w * h)))
+
+
 def write_report(runs: Sequence[Run], out_dir: str | Path, random_return: float | None = None) -> list[Path]:
     """Write every figure and ``report.md`` for `runs` into `out_dir` (created if needed).
 
@@ -833,7 +842,7 @@ def write_report(runs: Sequence[Run], out_dir: str | Path, random_return: float 
     for name, _, plot, _ in FIGURES:
         fig = plot(runs, colours)
         fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=DPI)
+        fig.savefig(out_dir / name, dpi=figure_dpi(fig))
         plt.close(fig)
         written.append(out_dir / name)
     report = out_dir / "report.md"

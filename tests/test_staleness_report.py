@@ -198,3 +198,26 @@ def test_correction_by_lag_table_and_share_kept(tmp_path: Path) -> None:
     kept = section.split("Share of the return kept")[1]
     # is at sync 4: (-210 + 1240) / (-140 + 1240) = 93.6%; none at sync 4: (-410 + 1240) / 1100 = 75%
     assert "| is | 100% | 94% |" in kept and "| none | 100% | 75% |" in kept
+
+
+def test_a_large_sweep_keeps_every_figure_within_the_pixel_cap(tmp_path: Path) -> None:
+    """A panel per run (actor throughput) grows with the sweep: 40 runs must still give figures of at
+    most MAX_PIXELS, the small figures keep the full DPI."""
+    import struct
+
+    runs = []
+    for i in range(40):
+        d = tmp_path / f"sync1_delay0_none_s{i + 1}"
+        write_run(d, n_rollouts=4, correction="none", drops=[], syncs=False, truncated=False)
+        runs.append(d)
+    out = tmp_path / "report"
+    assert staleness.main([str(r) for r in runs] + ["--out", str(out)]) == 0
+    sizes = {}
+    for name in FIGURES:
+        head = (out / name).read_bytes()[:24]
+        sizes[name] = struct.unpack(">II", head[16:24])   # the PNG IHDR: width, height
+        assert sizes[name][0] * sizes[name][1] <= staleness.MAX_PIXELS * 1.01, (name, sizes[name])
+    assert sizes["lag_histogram.png"] == (8 * staleness.DPI, 5 * staleness.DPI)   # untouched by the cap
+    tw, th = sizes["actor_throughput.png"]
+    assert tw * th > 0.9 * staleness.MAX_PIXELS                 # capped, not shrunk further
+    assert 1.1 < th / tw < 1.5                                   # 4 columns x 10 rows of 5.5 x 2.8 in panels
