@@ -12,7 +12,10 @@ learner trained on, in the same order and at the same lags (so the only differen
 correction), and the final weights play ``--episodes`` deterministic episodes. Runs are grouped by
 ``actors.sync_every`` (the controlled lag); seeds within a group give mean ± std. Writes
 ``replay.md`` (a table: mean lag and final return per correction) and ``replay.json`` to ``--out``,
-and prints the table.
+and prints the table. ``replay.json`` is rewritten after every result, and a later call with the same
+``--out`` keeps its rows and replays only the (run, correction) pairs it lacks at the same
+``--episodes`` and ``--eval-seed``: a long comparison survives an interruption, and another lag's
+runs can be added to the same table.
 """
 
 from __future__ import annotations
@@ -87,15 +90,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.episodes < 1:
         print("replay_corrections.py: --episodes must be >= 1", file=sys.stderr)
         return 2
-    rows = []
+    try:
+        rows = load_rows(args.out)
+    except ValueError as e:
+        print(f"replay_corrections.py: {e}", file=sys.stderr)
+        return 2
+    done = {(r["run"], r["correction"]) for r in rows
+            if r.get("episodes") == args.episodes and r.get("eval_seed") == args.eval_seed}
     for run in args.runs:
+        todo = [c for c in corrections if (str(run), c) not in done]
+        if not todo:
+            print(f"[replay] {run.name}: every correction done before, kept", flush=True)
+            continue
         try:
             cfg = load_config(run / "config.json")
             lag = record_mean_lag(run)
         except (ConfigError, replay_tool.ReplayError, OSError) as e:
             print(f"replay_corrections.py: {run}: {e}", file=sys.stderr)
             return 2
-        for corr in corrections:
+        for corr in todo:
             t0 = time.time()
             try:
                 learner = replay_tool.replay(run, [f"algorithm.cfg.correction={corr}", *args.sets])
@@ -103,22 +116,49 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"replay_corrections.py: {run}: {e}", file=sys.stderr)
                 return 2
             ret = evaluate_final(learner, args.episodes, args.eval_seed)
+            rows = [r for r in rows if (r["run"], r["correction"]) != (str(run), corr)]
             rows.append({"run": str(run), "sync_every": cfg.actors.sync_every, "seed": cfg.trainer.seed,
                          "mean_lag": lag, "correction": corr, "return": ret, "updates": learner.updates,
-                         "replay_s": time.time() - t0})
+                         "replay_s": time.time() - t0, "episodes": args.episodes, "eval_seed": args.eval_seed})
+            if args.out is not None:
+                write_rows(args.out, rows)
             print(f"[replay] {run.name}: {corr:6s} lag {lag:5.2f}  return {ret:9.1f}  "
                   f"({learner.updates} updates, {time.time() - t0:.0f} s)", flush=True)
             del learner
-    table = render(rows, corrections)
+    table = render([r for r in rows if r["correction"] in corrections and r.get("episodes") == args.episodes
+                    and r.get("eval_seed") == args.eval_seed], corrections)
     print(table)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "replay.json").write_text(json.dumps(rows, indent=1))
+        write_rows(args.out, rows)
         (args.out / "replay.md").write_text(
             "# Corrections compared on identical data (launch/replay_corrections.py)\n\n"
             f"Final return of the replayed weights, {args.episodes} deterministic episodes, "
             "mean ± std over the seeds of each lag.\n\n" + table + "\n")
     return 0
+
+
+def load_rows(out: Path | None) -> list[dict]:
+    """The results an earlier call wrote to `out` (none without one)."""
+    path = None if out is None else out / "replay.json"
+    if path is None or not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a results file of this tool ({e}); move it away or choose another --out")
+    need = {"run", "sync_every", "seed", "mean_lag", "correction", "return"}
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and need <= set(r) for r in rows):
+        raise ValueError(f"{path}: not a results file of this tool (a list of rows with {sorted(need)}); "
+                         "move it away or choose another --out")
+    return rows
+
+
+def write_rows(out: Path, rows: list[dict]) -> None:
+    """``replay.json``, replaced whole (written aside, then renamed): an interruption leaves the last one."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "replay.json.tmp"
+    tmp.write_text(json.dumps(rows, indent=1))
+    tmp.replace(out / "replay.json")
 
 
 def render(rows: list[dict], corrections: list[str]) -> str:

@@ -325,3 +325,53 @@ def test_credit_messages_never_replace_the_weights_a_late_joiner_gets():
     finally:
         pub.close()
         ctx.destroy(linger=0)
+
+
+def test_replay_corrections_keeps_results_and_resumes(tmp_path, monkeypatch):
+    """replay.json is written after every result; a second call with the same --out replays only the
+    (run, correction) pairs it lacks, at the same --episodes, and its table covers every run; a file
+    that is not this tool's is refused with its path."""
+    import replay_corrections
+
+    runs = []
+    for seed, sync in ((1, 4), (2, 4), (1, 16)):
+        d = tmp_path / f"sync{sync}_s{seed}"
+        d.mkdir()
+        cfg = json.loads((ROOT / "configs" / "pendulum_ppo.json").read_text())
+        cfg["trainer"]["seed"], cfg["actors"]["sync_every"] = seed, sync
+        (d / "config.json").write_text(json.dumps(cfg))
+        runs.append(d)
+    calls = []
+
+    class FakeLearner:
+        updates = 7
+
+    def fake_replay(run, sets):
+        calls.append((run.name, sets[0].split("=")[1]))
+        if len(calls) == 4 and fail["on"]:
+            raise KeyboardInterrupt          # an interruption after three results
+        return FakeLearner()
+
+    fail = {"on": True}
+    monkeypatch.setattr(replay_corrections, "record_mean_lag", lambda run: 2.0 if "sync4" in run.name else 8.0)
+    monkeypatch.setattr(replay_corrections.replay_tool, "replay", fake_replay)
+    monkeypatch.setattr(replay_corrections, "evaluate_final",
+                        lambda learner, episodes, seed: -100.0 * len(calls))
+    out = tmp_path / "rc"
+    args = [str(r) for r in runs] + ["--corrections", "none is", "--episodes", "5", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        replay_corrections.main(args)
+    kept = json.loads((out / "replay.json").read_text())
+    assert [(Path(r["run"]).name, r["correction"]) for r in kept] == calls[:3]
+    fail["on"] = False
+    assert replay_corrections.main(args) == 0
+    assert calls[4:] == [("sync4_s2", "is"), ("sync16_s1", "none"), ("sync16_s1", "is")]   # the rest only
+    rows = json.loads((out / "replay.json").read_text())
+    assert len(rows) == 6 and {r["episodes"] for r in rows} == {5}
+    table = (out / "replay.md").read_text()
+    assert "| 4 | 2.00 | 2 |" in table and "| 16 | 8.00 | 1 |" in table
+    n = len(calls)
+    assert replay_corrections.main(args) == 0 and len(calls) == n                     # nothing left to do
+    assert replay_corrections.main(args[:-3] + ["3", "--out", str(out)]) == 0 and len(calls) == n + 6
+    (out / "replay.json").write_text('{"not": "rows"}')
+    assert replay_corrections.main(args) == 2
