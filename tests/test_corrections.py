@@ -132,21 +132,31 @@ def _tiny_policy():
     return policy, td
 
 
-def test_ewma_proximal_follows_its_update_rule():
+@pytest.mark.parametrize("frozen", [False, True], ids=["copy", "functional_call"])
+def test_ewma_proximal_follows_its_update_rule(frozen):
+    """Both ways of holding the average: a copy of the policy (nothing frozen) and the averaged
+    trainable tensors bound over the live module (a frozen part, shared, as a VLA's base)."""
     policy, td = _tiny_policy()
+    if frozen:
+        policy.critic.requires_grad_(False)
     prox = EWMAProximal(policy, decay=0.75)
+    assert (prox._shadow is None) == frozen
     names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert set(prox.tensors) == {f"policy.{n}" for n in names}
     expected = {n: p.detach().clone() for n, p in policy.named_parameters()}
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(torch.randn(p.shape, generator=g))
+            for n, p in policy.named_parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g))
         prox.step()
         for n, p in policy.named_parameters():
             expected[n] = 0.75 * expected[n] + 0.25 * p.detach()
     for n in names:
         torch.testing.assert_close(prox.tensors[f"policy.{n}"], expected[n])
+    # the normaliser statistics are the live policy's, moved after the average was made
+    policy.update_normalizer(torch.randn(64, td[keys.OBS].shape[-1]) * 3 + 1)
     # its log-prob is the policy's own, evaluated with the averaged weights; the live ones untouched
     live = {n: p.detach().clone() for n, p in policy.named_parameters()}
     averaged = make_policy(*_cfg_spec())
@@ -155,6 +165,7 @@ def test_ewma_proximal_follows_its_update_rule():
         for n, p in averaged.named_parameters():
             p.copy_(expected[n])
         torch.testing.assert_close(prox.log_prob(td), averaged.evaluate_actions(td)[0])
+        assert not torch.allclose(prox.log_prob(td), policy.evaluate_actions(td)[0])   # not the live weights
     for n, p in policy.named_parameters():
         assert torch.equal(p, live[n])
     # and it survives a checkpoint

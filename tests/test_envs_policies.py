@@ -215,6 +215,9 @@ def test_policy_log_prob_matches_evaluate_actions(env_id):
     torch.testing.assert_close(logp, td[keys.LOG_PROB])
     torch.testing.assert_close(value, td[keys.VALUE])
     assert entropy.shape == (5,)
+    with torch.no_grad():      # the log-prob alone (the ewma proximal policy's pass): the same numbers
+        policy.log_std.data.normal_() if hasattr(policy, "log_std") else None
+        torch.testing.assert_close(policy.action_log_prob(td), policy.evaluate_actions(td)[0], rtol=1e-6, atol=1e-6)
     det1 = policy(TensorDict({keys.OBS: td[keys.OBS]}, [5]), deterministic=True)[keys.ACTION]
     det2 = policy(TensorDict({keys.OBS: td[keys.OBS]}, [5]), deterministic=True)[keys.ACTION]
     assert torch.equal(det1, det2)

@@ -108,6 +108,19 @@ class ActorCritic(nn.Module):
             td.set(keys.VALUE, self.critic(x).squeeze(-1))
         return td
 
+    def action_log_prob(self, td: TensorDictBase) -> torch.Tensor:
+        """Only the log-prob of ``td["action"]`` ``[*B]``: no entropy, no critic (the ``ewma``
+        correction's proximal policy needs nothing else, once per minibatch). The formula is
+        :meth:`_act_gaussian`'s, term for term ``Normal.log_prob``'s."""
+        x = self._features(td[keys.OBS])
+        if self.discrete:
+            return self._log_prob(self._dist(x), td[keys.ACTION])
+        mean = self.actor(x)
+        std = self.log_std.exp().expand_as(mean)
+        action = td[keys.ACTION]
+        action = action.reshape(*action.shape[:-len(self._action_shape)], -1)
+        return (-((action - mean) ** 2) / (2 * std ** 2) - std.log() - _LOG_SQRT_2PI).sum(-1)
+
     def get_value(self, td: TensorDictBase) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("get_value: this policy has no critic (policy.name \"actor_only\")")
