@@ -140,15 +140,15 @@ def current_values(value_now: torch.Tensor, next_value_sent: torch.Tensor, done:
 class _EvaluateActions(nn.Module):
     """The policy's log-prob of ``td["action"]`` as a module's forward, for ``torch.func.functional_call``:
     ``policy.action_log_prob`` where the policy has it (no entropy, no critic: for an MLP actor-critic
-    a third of ``evaluate_actions``'s work), else ``policy.evaluate_actions(td)[0]``."""
+    about half of ``evaluate_actions``'s work), else ``policy.evaluate_actions(td)[0]``."""
 
     def __init__(self, policy: nn.Module):
         super().__init__()
         self.policy = policy
-        self._only = getattr(policy, "action_log_prob", None)
+        self._log_prob_only = hasattr(policy, "action_log_prob")
 
     def forward(self, td):
-        if self._only is not None:
+        if self._log_prob_only:
             return self.policy.action_log_prob(td)
         return self.policy.evaluate_actions(td)[0]
 
@@ -166,7 +166,6 @@ class EWMAProximal:
         if not 0 <= decay < 1:
             raise ValueError(f"EWMAProximal: decay must be in [0, 1), got {decay}")
         self.policy, self.decay = policy, decay
-        self._wrapper = _EvaluateActions(policy)
         self._live = {f"policy.{n}": p for n, p in policy.named_parameters() if p.requires_grad}
         self._shadow: nn.Module | None = None
         if all(p.requires_grad for p in policy.parameters()):
@@ -180,10 +179,10 @@ class EWMAProximal:
                 owner, _, leaf = name.rpartition(".")
                 (shadow.get_submodule(owner) if owner else shadow)._buffers[leaf] = live_buffers[name]
             self._shadow = shadow
-            self._shadow_fn = _EvaluateActions(shadow)
             self.tensors = {f"policy.{n}": p for n, p in shadow.named_parameters()}
         else:
             self.tensors = {n: p.detach().clone() for n, p in self._live.items()}
+        self._wrapper = _EvaluateActions(self._shadow if self._shadow is not None else policy)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -196,7 +195,7 @@ class EWMAProximal:
     def log_prob(self, td) -> torch.Tensor:
         if self._shadow is not None:
             self._shadow.eval()
-            return self._shadow_fn(td)
+            return self._wrapper(td)
         was_training = self.policy.training
         self.policy.eval()
         try:
