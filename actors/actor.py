@@ -114,6 +114,9 @@ class Actor:
             self.stop_event.set()
             return False
         now = time.time()
+        if self.cfg.actors.weights_lag_versions:
+            self._queue_lagged(now, msg)
+            return True
         if self.cfg.actors.weights_delay_s <= 0:
             self._incoming.clear()      # only the newest can ever be loaded
         self._incoming.append((now, msg))
@@ -122,12 +125,47 @@ class Actor:
             self._incoming.popleft()    # superseded by a newer message that is also due
         return True
 
-    def _load_due(self) -> None:
-        """Load the newest queued weights that are at least `weights_delay_s` old (if newer than ours)."""
+    def _queue_lagged(self, now: float, msg) -> None:
+        """`weights_lag_versions` K: keep the messages whose version may still become due (the
+        newest received, back to K versions before it). A restarted learner's weights replace
+        whatever was queued from the old one."""
+        meta = msg[1]
+        version = meta.get("version")
+        if not (isinstance(version, int) and not isinstance(version, bool)):
+            return
+        if self._incoming and self._incoming[-1][1][1].get("incarnation") != meta.get("incarnation"):
+            self._incoming.clear()
+        if self._incoming and version <= self._incoming[-1][1][1]["version"]:
+            return                       # an old or repeated message: the queue is in version order
+        self._incoming.append((now, msg))
+        target = version - self.cfg.actors.weights_lag_versions
+        while len(self._incoming) > 1 and self._incoming[1][1][1]["version"] <= target:
+            self._incoming.popleft()     # superseded by a newer one that is also due
+
+    def _pop_due(self):
+        """The queued message to load now, if any (and drop it and everything older)."""
+        k = self.cfg.actors.weights_lag_versions
+        if k:
+            if not self._incoming:
+                return None
+            target = self._incoming[-1][1][1]["version"] - k
+            oldest = self._incoming[0][1][1]
+            restarted = self.incarnation is not None and oldest.get("incarnation") != self.incarnation
+            if oldest["version"] <= target or self.version < 0 or self._torn or restarted:
+                # due; or the first weights, a torn load or a restarted learner (whose versions must
+                # replace ours at once, or its first update would wait on data it cannot get): the oldest held
+                return self._incoming.popleft()
+            return None
         cutoff = time.time() - self.cfg.actors.weights_delay_s
         due = None
         while self._incoming and self._incoming[0][0] <= cutoff:
             due = self._incoming.popleft()
+        return due
+
+    def _load_due(self) -> None:
+        """Load the newest queued weights that are due (if newer than ours): at least
+        `weights_delay_s` old, or `weights_lag_versions` behind the newest received."""
+        due = self._pop_due()
         if due is None:
             return
         received, (td, meta) = due

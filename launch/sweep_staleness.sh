@@ -10,12 +10,20 @@
 # actors.sync_every (an actor takes new weights only at rollout boundaries, actors.weights_at=rollout,
 # and only every K rollouts) and, optionally,
 # actors.weights_delay_s (seconds a weights message waits before an actor may load it).
+# Two ways to make a lag of L, which train very differently:
+#   --sync 2L: a sawtooth. Actors keep one version for 2L rollouts, so over a whole run only
+#     total_updates / 2L distinct policies ever act (3 in a 200k-step HalfCheetah run at sync 16).
+#   --sync 1 --set actors.weights_lag_versions=L-1 --set trainer.buffer_capacity=A (A actors): a
+#     constant lag. A new version acts at every rollout, always L-1 versions behind the newest, as in
+#     a pipeline of many slow actors. Give it its own --out (run names do not carry the knob).
+#     (A deep queue, trainer.buffer_capacity=L*A, makes a lag only where collection outruns the
+#     update by that much: on the 2-core VM HalfCheetah at capacity 16 stayed at a lag of 1.4-2.3.)
 # Runs go to DIR/sync{K}_delay{D}_{correction}_s{seed} (DIR defaults to outputs/sweep_<config>);
 # the report to DIR/report. An existing run directory with a summary.json is kept (the sweep resumes).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 [[ $# -ge 1 && "$1" != -h && "$1" != --help ]] || { usage; [[ $# -ge 1 ]]; exit $?; }
 CONFIG="$1"; shift
 OUT=""; SYNCS="1 4 16"; CORRECTIONS="none vtrace"; DELAYS="0"; SEEDS="1"; STEPS=""; SETS=()

@@ -4,6 +4,7 @@ early stop on approx-KL. Each algorithm keeps its own loss (``learner/ppo.py``, 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor, wait
 from typing import Callable
 
 import torch
@@ -23,11 +24,23 @@ def log_ratio(new_log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.T
     return (new_log_prob - old_log_prob).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
 
 
+def _total(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sum(v for k, v in out.items() if k.startswith("loss_"))
+
+
+def _backward(fn: LossFn, mb: TensorDictBase) -> dict[str, torch.Tensor]:
+    """`fn`'s losses on `mb`, back-propagated here (the side thread); returned detached."""
+    out = fn(mb)
+    _total(out).backward()
+    return {k: v.detach() for k, v in out.items()}
+
+
 def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, torch.Tensor],
                loss_fn: LossFn, n_epochs: int, batch_size: int, max_grad_norm: float,
                target_kl: float | None, generator: torch.Generator,
                sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               after_step: Callable[[], None] | None = None) -> dict[str, float]:
+               after_step: Callable[[], None] | None = None,
+               side_loss: tuple[Executor, LossFn] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -38,6 +51,11 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     is not finite takes no optimiser step (the weights and Adam's moments stay as they were) and
     is left out of the means. `after_step` runs after every optimiser step taken. With DDP the gradients are all-reduced in ``backward``, so every rank
     sees the same norm and skips the same steps.
+
+    `side_loss` ``(executor, fn)``: a second loss over parameters disjoint from `loss_fn`'s (PPO's
+    critic), computed and back-propagated on the executor's thread while this thread does
+    `loss_fn`'s. The gradients are the same as one backward of the sum; the norm, the clip and the
+    step wait for both.
     """
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
@@ -52,10 +70,19 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             idx = perm[start:start + batch_size]
             # Index plain tensors: TensorDict indexing per minibatch costs more than a small MLP step.
             mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
-            out = loss_fn(mb)
-            loss = sum(v for k, v in out.items() if k.startswith("loss_"))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            side = side_loss[0].submit(_backward, side_loss[1], mb) if side_loss is not None else None
+            try:
+                out = loss_fn(mb)
+                loss = _total(out)
+                loss.backward()
+            finally:
+                if side is not None:   # never leave the other thread writing gradients behind us
+                    wait([side])
+            if side is not None:
+                side_out = side.result()
+                out.update(side_out)
+                loss = loss.detach() + _total(side_out)
             # the total norm (and clipping, when on); inf or NaN if any gradient is
             out["grad_norm"] = nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
             if not bool(torch.isfinite(loss.detach() + out["grad_norm"])):   # one host sync per minibatch

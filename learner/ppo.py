@@ -7,6 +7,7 @@ order comes from the learner's own ``torch.Generator``, so an update is a pure f
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Callable
 
 import torch
@@ -37,57 +38,95 @@ def ppo_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig, renormalize:
     proximal policy's log-prob of the minibatch's actions; the clip is then centred on it and each
     advantage weighted by ``min(rho_bar, pi_prox / mu)``. A ``mask`` in the minibatch drops samples.
     """
-    anchor = mb[keys.LOG_PROB]
-    adv = mb[keys.ADVANTAGE]
-    out: dict[str, torch.Tensor] = {}
-    if proximal is not None:   # before the live forward pass: no autograd graph exists yet
+    adv, anchor, out = _policy_inputs(mb, cfg, proximal)   # before the live forward: no graph yet
+    new_logp, entropy, new_value = policy.evaluate_actions(mb)
+    out.update(_policy_terms(mb, cfg, renormalize, adv, anchor, new_logp, entropy))
+    out.update(_value_terms(mb, cfg, new_value))
+    return out
+
+
+def ppo_actor_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig, renormalize: bool = True,
+                   proximal: Callable[[TensorDictBase], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`ppo_loss`'s policy and entropy terms alone, from ``policy.evaluate_actor`` (no critic)."""
+    adv, anchor, out = _policy_inputs(mb, cfg, proximal)
+    new_logp, entropy = policy.evaluate_actor(mb)
+    out.update(_policy_terms(mb, cfg, renormalize, adv, anchor, new_logp, entropy))
+    return out
+
+
+def ppo_critic_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig) -> dict[str, torch.Tensor]:
+    """:func:`ppo_loss`'s value terms alone, from ``policy.get_value``."""
+    return _value_terms(mb, cfg, policy.get_value(mb))
+
+
+def _policy_inputs(mb: TensorDictBase, cfg: PPOConfig, proximal) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The advantages and the log-prob the ratio is taken against (the proximal policy's, weighted
+    by ``min(rho_bar, pi_prox / mu)``, with `proximal`; else the behaviour log-prob)."""
+    adv, anchor, out = mb[keys.ADVANTAGE], mb[keys.LOG_PROB], {}
+    if proximal is not None:
         prox = proximal(mb)
         weight = clamped_log_ratio(prox, mb[keys.LOG_PROB]).exp().clamp(max=cfg.rho_bar_for())
         adv, anchor = adv * weight, prox
         out["prox_weight_mean"] = weight.mean()
+    return adv, anchor, out
+
+
+def _policy_terms(mb: TensorDictBase, cfg: PPOConfig, renormalize: bool, adv: torch.Tensor, anchor: torch.Tensor,
+                  new_logp: torch.Tensor, entropy: torch.Tensor) -> dict[str, torch.Tensor]:
     mask = mb.get(MASK, None)
-    target = mb[keys.VALUE_TARGET]
     if mask is not None:   # a dropped sample's inputs must not reach the graph either (NaN x 0 = NaN)
         adv = torch.where(mask, adv, torch.zeros_like(adv))
-        target = torch.where(mask, target, torch.zeros_like(target))
-    new_logp, entropy, new_value = policy.evaluate_actions(mb)
     log_ratio = clamped_log_ratio(new_logp, anchor)
     ratio = log_ratio.exp()
     if renormalize and cfg.norm_adv and adv.numel() > 1:
         adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     pg_loss = _mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)), mask)
+    ent = _mean(entropy, mask)
+    with torch.no_grad():
+        approx_kl = _mean((ratio - 1) - log_ratio, mask)          # Schulman's k3 estimator
+        clip_frac = _mean(((ratio - 1).abs() > cfg.clip_coef).float(), mask)
+    return {"loss_policy": pg_loss, "loss_entropy": -cfg.ent_coef * ent, "entropy": ent.detach(),
+            "approx_kl": approx_kl, "clip_frac": clip_frac}
+
+
+def _value_terms(mb: TensorDictBase, cfg: PPOConfig, new_value: torch.Tensor) -> dict[str, torch.Tensor]:
+    mask = mb.get(MASK, None)
+    target = mb[keys.VALUE_TARGET]
+    if mask is not None:
+        target = torch.where(mask, target, torch.zeros_like(target))
     if cfg.clip_vloss:
         old_value = mb[keys.VALUE]
         clipped = old_value + (new_value - old_value).clamp(-cfg.clip_coef, cfg.clip_coef)
         v_loss = 0.5 * _mean(torch.max((new_value - target) ** 2, (clipped - target) ** 2), mask)
     else:
         v_loss = 0.5 * _mean((new_value - target) ** 2, mask)
-    ent = _mean(entropy, mask)
-    with torch.no_grad():
-        approx_kl = _mean((ratio - 1) - log_ratio, mask)          # Schulman's k3 estimator
-        clip_frac = _mean(((ratio - 1).abs() > cfg.clip_coef).float(), mask)
-    out.update({"loss_policy": pg_loss, "loss_value": cfg.vf_coef * v_loss, "loss_entropy": -cfg.ent_coef * ent,
-                "value_loss": v_loss.detach(), "entropy": ent.detach(), "approx_kl": approx_kl,
-                "clip_frac": clip_frac})
-    return out
+    return {"loss_value": cfg.vf_coef * v_loss, "value_loss": v_loss.detach()}
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, cfg: PPOConfig,
                generator: torch.Generator, sync_mean=None, renormalize: bool = True,
-               proximal: EWMAProximal | None = None) -> dict[str, float]:
+               proximal: EWMAProximal | None = None, critic_thread: Executor | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
     minibatches, plus ``epochs`` (fewer than ``n_epochs`` when ``target_kl`` stopped early).
     `renormalize` and `proximal`: see :func:`ppo_loss`; the EWMA moves after every optimiser step.
+    `critic_thread` (a policy with ``evaluate_actor`` and ``get_value`` over disjoint parameters):
+    each minibatch's value loss is computed and back-propagated on that thread while this one does
+    the policy loss; the gradients, and so the update, are the same as without it.
     """
     b = batch.reshape(-1)
     fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
                                     keys.VALUE_TARGET, MASK) if k in b.keys()}
     prox_fn = proximal.log_prob if proximal is not None else None
-    result = run_epochs(policy, optimizer, fields, lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn),
-                        cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean,
-                        after_step=proximal.step if proximal is not None else None)
+    if critic_thread is not None:
+        loss_fn = lambda mb: ppo_actor_loss(policy, mb, cfg, renormalize, prox_fn)  # noqa: E731
+        side = (critic_thread, lambda mb: ppo_critic_loss(policy, mb, cfg))
+    else:
+        loss_fn, side = (lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn)), None  # noqa: E731
+    result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
+                        cfg.target_kl, generator, sync_mean,
+                        after_step=proximal.step if proximal is not None else None, side_loss=side)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

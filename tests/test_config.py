@@ -261,6 +261,13 @@ def test_single_problem_is_singular(tmp_path):
                  r"trainer\.record: recording is for one learner rank", id="ranks_record"),
     pytest.param({"learner": {"weights_transport": "shm"}, "actors": {"weights_delay_s": 1.0}},
                  r"actors\.weights_delay_s: a delay cannot be combined", id="shm_delay"),
+    pytest.param({"trainer": {"buffer_type": "standard"}, "actors": {"weights_lag_versions": 2}},
+                 r"actors\.weights_lag_versions: 2 needs trainer\.buffer_type \"vla\"", id="lag_versions_standard"),
+    pytest.param({"trainer": {"buffer_type": "vla"}, "actors": {"weights_lag_versions": 2, "weights_delay_s": 0.5}},
+                 r"actors\.weights_lag_versions / actors\.weights_delay_s: choose one", id="lag_versions_delay"),
+    pytest.param({"trainer": {"buffer_type": "vla"}, "actors": {"weights_lag_versions": 2},
+                  "learner": {"weights_transport": "shm"}},
+                 r"actors\.weights_lag_versions: cannot be combined with learner\.weights_transport", id="lag_versions_shm"),
     pytest.param({"learner": {"curve_secret_key": "k"}}, r"learner\.curve_secret_key / learner\.curve_authorized_keys: "
                  r"set both", id="curve_half"),
     pytest.param({"actors": {"devices": ["cpu", "cuda:x"]}}, r"actors\.devices\[1\]: unknown device 'cuda:x'",

@@ -450,3 +450,46 @@ def test_the_learner_trains_every_full_batch_received_before_it_stops():
     assert len(learner.buffer) == 0 and learner.env_steps == 3 * 64
     LearnerRun._drain(SimpleNamespace(learner=learner))
     assert learner.updates == 3
+
+
+def test_critic_thread_resolves_where_it_applies_and_has_a_core(monkeypatch):
+    from learner.learner import Learner, ListPublisher, uses_critic_thread
+    from shared.policies import make_policy
+    from learner.learner import env_spec_of
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = small_config()
+    policy = make_policy(cfg, env_spec_of(cfg))
+    assert not uses_critic_thread(cfg, policy)                       # the default: off
+    cfg.learner.critic_thread = "auto"
+    assert uses_critic_thread(cfg, policy)                           # standard mode, two cores
+    cfg.trainer.buffer_type = "vla"
+    assert not uses_critic_thread(cfg, policy)                       # one actor collects: one core left
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert uses_critic_thread(cfg, policy)
+    assert not uses_critic_thread(cfg, policy, ranks=object())       # DDP: never
+    cfg.learner.critic_thread = True
+    assert uses_critic_thread(cfg, policy)
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    assert learner.critic_thread is not None
+    cfg.policy.name = "actor_only"
+    assert not uses_critic_thread(cfg, make_policy(cfg, env_spec_of(cfg)))   # no critic
+
+
+@pytest.mark.parametrize("patch,why", [
+    ({"algorithm": {"name": "grpo", "cfg": {"group_size": 2, "batch_size": 32}}, "policy": {"name": "actor_only"}},
+     "grpo"),
+    ({"learner": {"devices": ["cpu", "cpu"]}, "actors": {"num_actors": 2}}, "2 ranks"),
+])
+def test_critic_thread_true_where_it_cannot_apply_is_a_config_error(patch, why):
+    from shared.config import ConfigError, config_from_dict
+    raw = {"trainer": {"buffer_size": 16}, "actors": {"num_envs": 4}, "env": {"id": "CartPole-v1"},
+           "learner": {"critic_thread": True}, "algorithm": {"cfg": {"batch_size": 32}}}
+    for block, values in patch.items():
+        raw[block] = {**raw.get(block, {}), **values}
+    with pytest.raises(ConfigError, match=rf"learner\.critic_thread: true needs .*{why}"):
+        config_from_dict(raw, source="t.json")
+    raw["learner"]["critic_thread"] = "auto"
+    config_from_dict(raw, source="t.json")                          # auto: quietly off there
+    raw["learner"]["critic_thread"] = "yes"
+    with pytest.raises(ConfigError, match=r"learner\.critic_thread"):
+        config_from_dict(raw, source="t.json")

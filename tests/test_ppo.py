@@ -83,3 +83,79 @@ def test_target_kl_stops_epochs_early():
     stats = ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=0.0), batch([0.0] * n, [1.0] * n,
                        [0.0] * n, [0.0] * n), cfg, torch.Generator().manual_seed(0))
     assert stats["epochs"] == 1
+
+
+def _actor_critic_batch(n: int, seed: int, with_mask: bool):
+    from shared.config import load_config
+    from shared.envs.base import ActionSpec, EnvSpec
+    from shared.policies import make_policy
+    g = torch.Generator().manual_seed(seed)
+    cfg = load_config("configs/halfcheetah_ppo.json", ["policy.actor.network_cfg.hidden_sizes=[32,32]",
+                                                       "policy.critic.network_cfg.hidden_sizes=[32,32]"])
+    spec = EnvSpec(obs_shape=(17,), obs_dtype=torch.float32, action=ActionSpec(kind="box", shape=(6,), low=(-1.0,) * 6, high=(1.0,) * 6))
+    torch.manual_seed(seed)
+    policy = make_policy(cfg, spec)
+    policy.update_normalizer(torch.randn(64, 17, generator=g) * 3 + 1)
+    td = TensorDict({keys.OBS: torch.randn(n, 17, generator=g), keys.ACTION: torch.randn(n, 6, generator=g) * 0.3,
+                     keys.LOG_PROB: torch.randn(n, generator=g) - 2, keys.ADVANTAGE: torch.randn(n, generator=g),
+                     keys.VALUE: torch.randn(n, generator=g), keys.VALUE_TARGET: torch.randn(n, generator=g)}, [n])
+    if with_mask:
+        from learner.grpo import MASK
+        td.set(MASK, torch.rand(n, generator=g) > 0.3)
+    return cfg, policy, td
+
+
+@pytest.mark.parametrize("correction,with_mask,clip_vloss", [("none", False, False), ("ewma", False, True),
+                                                             ("is", True, False)])
+def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_mask, clip_vloss):
+    """learner.critic_thread: the value loss's backward on a second thread. Actor and critic share no
+    parameter, so the weights, Adam's state and every diagnostic must equal the one-thread update's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from learner.learner import make_optimizer
+    from learner.vtrace import EWMAProximal
+    results = []
+    for threaded in (False, True):
+        cfg, policy, td = _actor_critic_batch(300, seed=3, with_mask=with_mask)
+        a = PPOConfig(n_epochs=3, batch_size=64, correction=correction, clip_vloss=clip_vloss, max_grad_norm=0.5,
+                      ent_coef=0.01)
+        opt = make_optimizer(policy, 1e-3, 1e-5)
+        prox = EWMAProximal(policy, 0.9) if correction == "ewma" else None
+        pool = ThreadPoolExecutor(1) if threaded else None
+        try:
+            stats = ppo_update(policy, opt, td, a, torch.Generator().manual_seed(0), renormalize=correction == "none",
+                               proximal=prox, critic_thread=pool)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        results.append((policy.state_dict(), opt.state_dict()["state"], stats))
+    (w0, s0, d0), (w1, s1, d1) = results
+    assert d0["steps"] == d1["steps"] == 15
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    for i in s0:
+        for k in s0[i]:
+            assert torch.equal(s0[i][k], s1[i][k]), (i, k)
+    assert set(d0) == set(d1)
+    for k in d0:
+        assert d0[k] == d1[k] or (math.isnan(d0[k]) and math.isnan(d1[k])), k
+
+
+def test_critic_thread_does_its_half_on_another_thread():
+    """The value loss really runs on the executor's thread, and the policy loss on the caller's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    cfg, policy, td = _actor_critic_batch(128, seed=1, with_mask=False)
+    seen = {"actor": set(), "critic": set()}
+    evaluate_actor, get_value = policy.evaluate_actor, policy.get_value
+    policy.evaluate_actor = lambda mb: (seen["actor"].add(threading.get_ident()), evaluate_actor(mb))[1]
+    policy.get_value = lambda mb: (seen["critic"].add(threading.get_ident()), get_value(mb))[1]
+    policy.evaluate_actions = None   # the split path must not call it
+    pool = ThreadPoolExecutor(1)
+    try:
+        ppo_update(policy, torch.optim.Adam(policy.parameters()), td, PPOConfig(n_epochs=1, batch_size=64),
+                   torch.Generator().manual_seed(0), critic_thread=pool)
+    finally:
+        pool.shutdown()
+    assert seen["actor"] == {threading.get_ident()}
+    assert len(seen["critic"]) == 1 and seen["critic"] != seen["actor"]

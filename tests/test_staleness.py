@@ -375,3 +375,33 @@ def test_replay_corrections_keeps_results_and_resumes(tmp_path, monkeypatch):
     assert replay_corrections.main(args[:-3] + ["3", "--out", str(out)]) == 0 and len(calls) == n + 6
     (out / "replay.json").write_text('{"not": "rows"}')
     assert replay_corrections.main(args) == 2
+
+
+def test_weights_lag_versions_acts_a_constant_number_of_versions_behind():
+    """actors.weights_lag_versions K with sync_every 1: the actor takes a version at every rollout,
+    always the one K behind the newest it received (the first one until K exist), so every rollout
+    the learner consumes is K versions old, not a sawtooth."""
+    cfg = small_config(buffer_type="vla", max_policy_lag=50, buffer_capacity=8)
+    cfg.actors.weights_lag_versions = 3
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    learner.publish()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, PublisherSource(pub), sink)
+    acted, lags = [], []
+    for _ in range(9):
+        assert actor.step_once()
+        td, meta = sink.messages[-1]
+        acted.append(meta["policy_version"])
+        lags.append(learner.version - meta["policy_version"])
+        learner.ingest(td, meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+        learner.publish()
+    assert acted == [0, 0, 0, 0, 1, 2, 3, 4, 5]
+    assert lags == [0, 1, 2, 3, 3, 3, 3, 3, 3]
+    assert len(actor._incoming) <= 4                 # only the versions that may still become due are kept
+    # a restarted learner (new incarnation, lower versions): its weights replace ours at once
+    td, meta = pub.published[-1]
+    pub.published.append((td.clone(), {**meta, "version": 1, "incarnation": "another-life"}))
+    assert actor.step_once()
+    assert sink.messages[-1][1]["policy_version"] == 1 and actor.incarnation == "another-life"

@@ -121,6 +121,14 @@ class ActorCritic(nn.Module):
         action = action.reshape(*action.shape[:-len(self._action_shape)], -1)
         return (-((action - mean) ** 2) / (2 * std ** 2) - std.log() - _LOG_SQRT_2PI).sum(-1)
 
+    def evaluate_actor(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`evaluate_actions` without the critic: the log-prob and entropy of ``td["action"]``.
+        With :meth:`get_value` it splits one update step into two graphs over disjoint parameters
+        (``learner.critic_thread``)."""
+        dist = self._dist(self._features(td[keys.OBS]))
+        entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
+        return self._log_prob(dist, td[keys.ACTION]), entropy
+
     def get_value(self, td: TensorDictBase) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("get_value: this policy has no critic (policy.name \"actor_only\")")
