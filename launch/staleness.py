@@ -696,7 +696,8 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-TABLE_HEADER = ("run", "env", "buffer", "sync every", "weights at", "weights delay (s)", "lag policy", "correction",
+TABLE_HEADER = ("run", "env", "buffer", "sync every", "weights at", "weights delay (s)", "weights lag (versions)",
+                "lag policy", "correction",
                 "env steps", "updates", "wall (s)", "final return", "mean lag", "max lag", "p95 lag",
                 "rollouts with >1 version",
                 "dropped (lag)", "overwritten", "sync delay (ms)", "episode length consumed / dropped")
@@ -713,6 +714,7 @@ def table_row(run: Run) -> list[str]:
         _fmt_value(run.setting("actors", "sync_every")),
         run.weights_at,
         _fmt_value(run.setting("actors", "weights_delay_s")),
+        _fmt_value(run.setting("actors", "weights_lag_versions", default=0)),
         _fmt_value(run.setting("trainer", "lag_policy")),
         run.correction,
         MISSING if run.env_steps is None else f"{run.env_steps:,}",
@@ -730,20 +732,35 @@ def table_row(run: Run) -> list[str]:
     ]
 
 
+def _lag_setting(run: Run) -> tuple[int, int] | None:
+    """How a run's lag was made: ``(actors.weights_lag_versions, actors.sync_every)``."""
+    sync = run.setting("actors", "sync_every", default=1)
+    held = run.setting("actors", "weights_lag_versions", default=0)
+    if not isinstance(sync, int) or not isinstance(held, int):
+        return None
+    return held, sync
+
+
+def _lag_label(setting: tuple[int, int]) -> str:
+    held, sync = setting
+    return f"sync {sync}" if not held else f"sync {sync}, {held} behind"
+
+
 def correction_lag_table(runs: Sequence[Run], random_return: float | None = None) -> list[str]:
-    """Markdown: final return (mean ± std over seeds) for each correction (rows) at each
-    ``actors.sync_every`` (columns, with the mean lag measured), and, against ``none`` at the
-    smallest sync_every, the share of the return kept: R / R_ref, or with `random_return` (a random
-    policy's return, for tasks whose returns are negative) (R - R_random) / (R_ref - R_random).
-    Empty unless there are several corrections and several sync_every values."""
-    cells: dict[tuple[str, int], list[Run]] = {}
+    """Markdown: final return (mean ± std over seeds) for each correction (rows) at each lag setting
+    (columns: ``actors.sync_every``, and ``actors.weights_lag_versions`` where set, with the mean lag
+    measured), and, against ``none`` at the first setting (no versions held back, the smallest
+    sync_every), the share of the return kept: R / R_ref, or with `random_return` (a random policy's
+    return, for tasks whose returns are negative) (R - R_random) / (R_ref - R_random).
+    Empty unless there are several corrections and several lag settings."""
+    cells: dict[tuple[str, tuple[int, int]], list[Run]] = {}
     for run in runs:
-        sync = run.setting("actors", "sync_every", default=1)
-        if run.final_return is not None and isinstance(sync, int):
-            cells.setdefault((run.correction, sync), []).append(run)
+        setting = _lag_setting(run)
+        if run.final_return is not None and setting is not None:
+            cells.setdefault((run.correction, setting), []).append(run)
     corrections = sorted({c for c, _ in cells}, key=lambda c: (c != "none", c))
-    syncs = sorted({s for _, s in cells})
-    if len(corrections) < 2 or len(syncs) < 2:
+    settings = sorted({s for _, s in cells})
+    if len(corrections) < 2 or len(settings) < 2:
         return []
 
     def stats(members: list[Run]) -> tuple[float, float, float | None]:
@@ -751,31 +768,31 @@ def correction_lag_table(runs: Sequence[Run], random_return: float | None = None
         lags = [r.mean_lag for r in members if r.mean_lag is not None]
         return float(ret.mean()), float(ret.std()), (float(np.mean(lags)) if lags else None)
 
+    header = "| correction | " + " | ".join(_lag_label(s) for s in settings) + " |"
     lines = ["## Correction × lag", "",
-             "Final return, mean ± std over seeds (n), by `actors.sync_every` (mean lag measured).", "",
-             "| correction | " + " | ".join(f"sync {s}" for s in syncs) + " |",
-             "|---|" + "---:|" * len(syncs)]
+             "Final return, mean ± std over seeds (n), by `actors.sync_every` (a sawtooth lag) and "
+             "`actors.weights_lag_versions` (\"N behind\": a constant lag), mean lag measured.", "",
+             header, "|---|" + "---:|" * len(settings)]
     for c in corrections:
         row = []
-        for s in syncs:
+        for s in settings:
             if (c, s) in cells:
                 m, sd, lag = stats(cells[(c, s)])
                 row.append(f"{m:.1f} ± {sd:.1f} ({len(cells[(c, s)])}; lag {_fmt_float(lag)})")
             else:
                 row.append(MISSING)
         lines.append(f"| {c} | " + " | ".join(row) + " |")
-    ref = cells.get(("none", syncs[0]))
+    ref = cells.get(("none", settings[0]))
     if ref:
         r_ref = stats(ref)[0]
         base = random_return if random_return is not None else 0.0
-        what = (f"(R − R_random) / (R_none,sync {syncs[0]} − R_random), R_random = {random_return:g}"
-                if random_return is not None else f"R / R_none,sync {syncs[0]}")
-        lines += ["", f"Share of the return kept: {what}.", "",
-                  "| correction | " + " | ".join(f"sync {s}" for s in syncs) + " |",
-                  "|---|" + "---:|" * len(syncs)]
+        first = _lag_label(settings[0])
+        what = (f"(R − R_random) / (R_none,{first} − R_random), R_random = {random_return:g}"
+                if random_return is not None else f"R / R_none,{first}")
+        lines += ["", f"Share of the return kept: {what}.", "", header, "|---|" + "---:|" * len(settings)]
         for c in corrections:
             row = [f"{(stats(cells[(c, s)])[0] - base) / (r_ref - base):.0%}" if (c, s) in cells and r_ref != base
-                   else MISSING for s in syncs]
+                   else MISSING for s in settings]
             lines.append(f"| {c} | " + " | ".join(row) + " |")
     return lines + [""]
 
@@ -792,7 +809,7 @@ def _markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]],
         lines.append(f"- **{_cell(run.label)}**: `{run.path}`" + (f" ({extra})" if extra else ""))
     lines += ["", "## Summary", "",
               "| " + " | ".join(TABLE_HEADER) + " |",
-              "|" + "|".join("---" if i < 8 else "---:" for i in range(len(TABLE_HEADER))) + "|"]
+              "|" + "|".join("---" if i < 9 else "---:" for i in range(len(TABLE_HEADER))) + "|"]
     lines += ["| " + " | ".join(_cell(c) for c in table_row(run)) + " |" for run in runs]
     lines += ["",
               (f"Final return: mean of the last {FINAL_EVALS} evaluations. Lags are over consumed samples. "

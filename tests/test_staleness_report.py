@@ -170,14 +170,16 @@ def test_correction_by_lag_table_and_share_kept(tmp_path: Path) -> None:
     """Several corrections at several sync_every values: a pivot of mean ± std over seeds, and the
     share of none's smallest-lag return each keeps, measured from a random policy's return."""
     runs = []
-    returns = {("none", 1): [-150.0, -130.0], ("none", 4): [-400.0, -420.0], ("is", 1): [-140.0, -140.0],
-               ("is", 4): [-200.0, -220.0]}
-    for (correction, sync), values in returns.items():
+    returns = {("none", 1, 0): [-150.0, -130.0], ("none", 4, 0): [-400.0, -420.0], ("is", 1, 0): [-140.0, -140.0],
+               ("is", 4, 0): [-200.0, -220.0], ("is", 1, 7): [-300.0, -320.0]}
+    for (correction, sync, held), values in returns.items():
         for seed, ret in enumerate(values, 1):
-            d = tmp_path / f"sync{sync}_delay0_{correction}_s{seed}"
+            d = tmp_path / f"sync{sync}_delay0_held{held}_{correction}_s{seed}"
             write_run(d, n_rollouts=6, correction=correction, drops=[], syncs=False)
             cfg = json.loads((d / "config.json").read_text())
             cfg["actors"]["sync_every"], cfg["trainer"]["seed"] = sync, seed
+            if held:         # a constant lag: versions held back (older runs' configs lack the key)
+                cfg["actors"]["weights_lag_versions"] = held
             (d / "config.json").write_text(json.dumps(cfg))
             (d / "summary.json").write_text(json.dumps({"last_eval/return_mean": ret}))
             metrics = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
@@ -193,11 +195,14 @@ def test_correction_by_lag_table_and_share_kept(tmp_path: Path) -> None:
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
             for line in section.split("Share of the return kept")[0].splitlines()
             if line.startswith("| ") and "correction" not in line}
+    assert "| correction | sync 1 | sync 4 | sync 1, 7 behind |" in section
     assert rows["none"][0].startswith("-140.0 ± 10.0 (2;")
     assert rows["is"][1].startswith("-210.0 ± 10.0 (2;")
+    assert rows["is"][2].startswith("-310.0 ± 10.0 (2;") and rows["none"][2] == "—"
     kept = section.split("Share of the return kept")[1]
-    # is at sync 4: (-210 + 1240) / (-140 + 1240) = 93.6%; none at sync 4: (-410 + 1240) / 1100 = 75%
-    assert "| is | 100% | 94% |" in kept and "| none | 100% | 75% |" in kept
+    # is at sync 4: (-210 + 1240) / (-140 + 1240) = 93.6%; none at sync 4: (-410 + 1240) / 1100 = 75%;
+    # is 7 behind: (-310 + 1240) / 1100 = 84.5%
+    assert "| is | 100% | 94% | 85% |" in kept and "| none | 100% | 75% | — |" in kept
 
 
 def test_a_large_sweep_keeps_every_figure_within_the_pixel_cap(tmp_path: Path) -> None:
