@@ -614,16 +614,20 @@ def group_stats(members: Sequence[Run]) -> tuple[float, float, float, float, int
 def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     """Figure 7: final return against sample-weighted mean lag, coloured by correction (`colours`, the
     run colours, are not used here). Runs that differ only in their seed are one point: the mean, with
-    a bar of +-1 std over seeds; each seed is a small faint marker."""
+    a bar of +-1 std over seeds; each seed is a small faint marker. A sawtooth lag (``sync_every``) and a
+    constant one (``weights_lag_versions``, dashed, hollow markers) are separate lines."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    by_correction: dict[str, list[tuple[float, float, float, float, int, str, list[Run]]]] = {}
+    by_correction: dict[tuple[str, bool], list[tuple[float, float, float, float, int, str, list[Run]]]] = {}
     for label, members in seed_groups(runs):
         stats = group_stats(members)
         if stats is not None:
-            by_correction.setdefault(members[0].correction, []).append((*stats, label, list(members)))
+            held = bool((_lag_setting(members[0]) or (0, 1))[0])
+            by_correction.setdefault((members[0].correction, held), []).append((*stats, label, list(members)))
     cmap = plt.get_cmap("Dark2")
-    for i, (correction, points) in enumerate(sorted(by_correction.items())):
+    index = {c: i for i, c in enumerate(sorted({c for c, _ in by_correction}))}
+    for (correction, held), points in sorted(by_correction.items()):
         points.sort(key=lambda p: p[0])
+        i = index[correction]
         colour, marker = cmap(i % cmap.N), CORRECTION_MARKERS[i % len(CORRECTION_MARKERS)]
         for *_, members in points:
             xs = [r.mean_lag for r in members if r.mean_lag is not None and r.final_return is not None]
@@ -631,7 +635,8 @@ def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure
             ax.scatter(xs, ys, color=colour, marker=marker, s=18, alpha=0.3, linewidths=0)
         lag, ret, std, _, _, _, _ = zip(*points)
         ax.errorbar(lag, ret, yerr=std, color=colour, marker=marker, markersize=8, linewidth=1.6, capsize=4,
-                    label=correction)
+                    linestyle="--" if held else "-", markerfacecolor="white" if held else colour,
+                    label=f"{correction} (constant lag)" if held else correction)
         for x, y, _, _, n, label, _ in points:
             ax.annotate(label + (f" (n={n})" if n > 1 else ""), (x, y), xytext=(5, 5), textcoords="offset points",
                         fontsize=8)
