@@ -87,15 +87,20 @@ def learner_threads(cfg: Config) -> int:
     if threads != "auto":
         return int(threads)
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:           # not on Linux
-        cores = os.cpu_count() or 1
-    busy = 0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors
-    try:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks = 1
-    return max(1, (cores - busy) // ranks)
+    return max(1, _cores_left_to_learner(cfg) // ranks)
+
+
+def _cores_left_to_learner(cfg: Config) -> int:
+    """The cores this process may use, less one per actor in vla mode (they collect while the
+    learner trains; in standard mode they wait for every update)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:           # not on Linux
+        cores = os.cpu_count() or 1
+    return cores - (0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors)
 
 
 def uses_critic_thread(cfg: Config, policy: torch.nn.Module, ranks=None) -> bool:
@@ -107,12 +112,7 @@ def uses_critic_thread(cfg: Config, policy: torch.nn.Module, ranks=None) -> bool
         return bool(choice) and applies
     if not applies or torch.device(cfg.learner.device).type != "cpu":
         return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:           # not on Linux
-        cores = os.cpu_count() or 1
-    busy = 0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors
-    return cores - busy >= 2
+    return _cores_left_to_learner(cfg) >= 2
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
