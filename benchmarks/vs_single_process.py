@@ -108,7 +108,8 @@ def worker_calibrate(config: str, sets: list[str], rollouts: int, updates: int) 
     from shared import keys
     from shared.envs import make_env
     torch.set_num_threads(1)
-    cfg = _load(config, sets + ["trainer.buffer_type=standard"])
+    # one thread per update, whatever the runs use: the ideal divides one-thread CPU by the cores
+    cfg = _load(config, sets + ["trainer.buffer_type=standard", "learner.critic_thread=false"])
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
 
     def per_step(num_envs: int):

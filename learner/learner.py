@@ -104,15 +104,16 @@ def _cores_left_to_learner(cfg: Config) -> int:
 
 
 def uses_critic_thread(cfg: Config, policy: torch.nn.Module, ranks=None) -> bool:
-    """``learner.critic_thread`` resolved: does the PPO update run the value loss on a second thread?"""
+    """``learner.critic_thread`` resolved: does the PPO update run the value loss on a second thread
+    (for "idle", at least at times: see :func:`critic_thread_gate`)?"""
     choice = cfg.learner.critic_thread
     applies = (cfg.algorithm.name == "ppo" and ranks is None and hasattr(policy, "evaluate_actor")
                and has_critic(policy))
-    if choice != "auto":
+    if choice not in ("auto", "idle"):
         return bool(choice) and applies
     if not applies or torch.device(cfg.learner.device).type != "cpu":
         return False
-    return _cores_left_to_learner(cfg) >= 2
+    return choice == "idle" or _cores_left_to_learner(cfg) >= 2
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
@@ -176,6 +177,10 @@ class Learner:
             self.critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads,
                                                     initargs=(threads,))
             weakref.finalize(self, self.critic_thread.shutdown, wait=False)
+        # "idle" in vla mode: the thread only while the next batch already waits (the actors idle)
+        self.critic_when = None
+        if self.critic_thread is not None and cfg.learner.critic_thread == "idle" and not self.standard:
+            self.critic_when = lambda: len(self.buffer) >= self.k
         # GRPO's KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
         self.ref_policy = None
         if self.grpo and self.algo.kl_coef > 0:
@@ -521,7 +526,7 @@ class Learner:
             correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
             stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma,
-                               critic_thread=self.critic_thread)
+                               critic_thread=self.critic_thread, critic_when=self.critic_when)
             stats.update(correction_stats)
         self._note_skips(stats)
         # Normaliser statistics move after the update, so every epoch above saw the same
@@ -583,6 +588,8 @@ class Learner:
                                                              "bootstrap_shift", "masked_frac", "prox_weight_mean")
                        if k in stats})
         values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        if "side_share" in stats:   # learner.critic_thread: the share of value losses run on its thread
+            values["train/critic_thread_share"] = stats["side_share"]
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
         values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None
         values["train/updates"] = self.updates

@@ -40,7 +40,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                target_kl: float | None, generator: torch.Generator,
                sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
                after_step: Callable[[], None] | None = None,
-               side_loss: tuple[Executor, LossFn] | None = None) -> dict[str, float]:
+               side_loss: tuple[Executor, LossFn] | None = None,
+               side_when: Callable[[], bool] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -55,13 +56,16 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     `side_loss` ``(executor, fn)``: a second loss over parameters disjoint from `loss_fn`'s (PPO's
     critic), computed and back-propagated on the executor's thread while this thread does
     `loss_fn`'s. The gradients are the same as one backward of the sum; the norm, the clip and the
-    step wait for both.
+    step wait for both. `side_when`: asked before each minibatch; where it says False the side
+    loss runs on this thread instead, after `loss_fn`'s backward (the same gradients, bit for bit).
+    With `side_loss`, the result has ``side_share``: the share of minibatches whose side loss ran
+    on the executor's thread.
     """
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
     params = [p for p in policy.parameters() if p.requires_grad]
     sums: dict[str, torch.Tensor] = {}   # kept on the device: no host sync per minibatch
-    count = epochs = skipped = 0
+    count = epochs = skipped = minibatches = on_side = 0
     for _ in range(n_epochs):
         epochs += 1
         perm = torch.randperm(n, generator=generator).to(device)
@@ -71,7 +75,10 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             # Index plain tensors: TensorDict indexing per minibatch costs more than a small MLP step.
             mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
             optimizer.zero_grad(set_to_none=True)
-            side = side_loss[0].submit(_backward, side_loss[1], mb) if side_loss is not None else None
+            minibatches += 1
+            threaded = side_loss is not None and (side_when is None or side_when())
+            side = side_loss[0].submit(_backward, side_loss[1], mb) if threaded else None
+            on_side += threaded
             try:
                 out = loss_fn(mb)
                 loss = _total(out)
@@ -79,8 +86,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             finally:
                 if side is not None:   # never leave the other thread writing gradients behind us
                     wait([side])
-            if side is not None:
-                side_out = side.result()
+            if side_loss is not None:
+                side_out = side.result() if side is not None else _backward(side_loss[1], mb)
                 out.update(side_out)
                 loss = loss.detach() + _total(side_out)
             # the total norm (and clipping, when on); inf or NaN if any gradient is
@@ -104,4 +111,6 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                 break
     result = {k: float(v) / max(count, 1) for k, v in sums.items()}
     result.update(epochs=epochs, steps=count, skipped_steps=skipped)
+    if side_loss is not None:
+        result["side_share"] = on_side / max(minibatches, 1)
     return result

@@ -105,7 +105,8 @@ def _value_terms(mb: TensorDictBase, cfg: PPOConfig, new_value: torch.Tensor) ->
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, cfg: PPOConfig,
                generator: torch.Generator, sync_mean=None, renormalize: bool = True,
-               proximal: EWMAProximal | None = None, critic_thread: Executor | None = None) -> dict[str, float]:
+               proximal: EWMAProximal | None = None, critic_thread: Executor | None = None,
+               critic_when: Callable[[], bool] | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
@@ -113,7 +114,9 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     `renormalize` and `proximal`: see :func:`ppo_loss`; the EWMA moves after every optimiser step.
     `critic_thread` (a policy with ``evaluate_actor`` and ``get_value`` over disjoint parameters):
     each minibatch's value loss is computed and back-propagated on that thread while this one does
-    the policy loss; the gradients, and so the update, are the same as without it.
+    the policy loss; the gradients, and so the update, are the same as without it. `critic_when`:
+    asked before each minibatch; where it says False that minibatch's value loss runs on this thread
+    (``side_share`` in the result: the share that ran on `critic_thread`).
     """
     b = batch.reshape(-1)
     fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
@@ -126,7 +129,8 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
         loss_fn, side = (lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn)), None  # noqa: E731
     result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
                         cfg.target_kl, generator, sync_mean,
-                        after_step=proximal.step if proximal is not None else None, side_loss=side)
+                        after_step=proximal.step if proximal is not None else None, side_loss=side,
+                        side_when=critic_when)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

@@ -213,7 +213,7 @@ class LearnerConfig:
     actors on other hosts, give the number. The default is 1: for MLPs of a few hundred units more
     threads do not pay (HalfCheetah's 256x256 update on two cores: 2.0 s with 2 threads against
     1.3 s with 1; benchmarks/README.md). Larger models on many cores want auto or a number."""
-    critic_thread: Union[bool, Literal["auto"]] = False
+    critic_thread: Union[bool, Literal["auto", "idle"]] = False
     """PPO with policy.name "actor_critic" on one learner rank: each minibatch's value loss and its
     backward run on a second thread while the first does the policy loss. The actor and the critic
     share no parameter, so the gradients and the update are the same as without it; what changes is
@@ -224,7 +224,13 @@ class LearnerConfig:
     Measured on the 2-core VM (HalfCheetah 256x256, ewma): an update alone 1.4 -> 1.0 s; a 500k run
     in standard mode 1.13x faster updates for 1.3x their CPU; in vla mode with 2 actors slower (207 s
     against 190 s: the thread takes the core the actors collect on). Worth it where cores are idle
-    during the update, not where actors need them: hence off by default."""
+    during the update, not where actors need them: hence off by default. idle: the thread, used for a
+    minibatch only while the actors have nothing to collect, i.e. while the next batch already waits
+    in the buffer (under lag_policy "pace" they then wait for the learner; in standard mode they
+    always do); otherwise that minibatch's value loss runs on the learner's own thread. The second
+    core is then taken only when collection leaves it idle. Quietly off where it cannot apply, like
+    auto. The update is the same, bit for bit, whichever thread each value loss ran on
+    (train/critic_thread_share: the share that ran on the thread)."""
     recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
@@ -620,7 +626,7 @@ def _check(cfg: Config) -> list[str]:
                if world > 1 else None)
         if why:
             errors.append(f"learner.critic_thread: true needs PPO with policy.name \"actor_critic\" on one "
-                          f"learner rank, but {why}; use false or \"auto\"")
+                          f"learner rank, but {why}; use false, \"auto\" or \"idle\"")
     if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
         errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
                       f"{a.sync_every} asks to hold weights for several rollouts: choose one")

@@ -475,6 +475,48 @@ def test_critic_thread_resolves_where_it_applies_and_has_a_core(monkeypatch):
     assert not uses_critic_thread(cfg, make_policy(cfg, env_spec_of(cfg)))   # no critic
 
 
+def test_critic_thread_idle_runs_the_value_loss_there_only_while_the_next_batch_waits(monkeypatch):
+    """"idle": on with no core to spare (the actors collect on it), but a minibatch's value loss goes to
+    the thread only while a whole next batch is in the buffer (the actors then wait for the learner)."""
+    import threading
+
+    from learner.learner import Learner, ListPublisher, env_spec_of, uses_critic_thread
+    from shared.policies import make_policy
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = small_config()
+    cfg.trainer.buffer_type, cfg.trainer.buffer_capacity = "vla", 4
+    cfg.learner.critic_thread = "idle"
+    policy = make_policy(cfg, env_spec_of(cfg))
+    assert uses_critic_thread(cfg, policy)                      # no core to spare, but idle asks for none
+    assert not uses_critic_thread(cfg, policy, ranks=object())  # DDP: never
+    cfg.learner.device = "meta"
+    assert not uses_critic_thread(cfg, policy)                  # off the CPU: quietly off, as auto
+    cfg.learner.device = "cpu"
+    learner, _, _, actor = wired(cfg)
+    assert learner.critic_thread is not None and learner.critic_when is not None
+    seen = []
+    get_value = learner.policy.get_value
+    monkeypatch.setattr(learner.policy, "get_value",
+                        lambda td: seen.append(threading.current_thread() is threading.main_thread()) or get_value(td))
+    k = cfg.rollouts_per_update
+
+    def feed(n, seq):
+        for i in range(n):
+            learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
+                           {"kind": "rollout", "actor": 0, "seq": seq + i})
+
+    for waiting, seq in ((0, 0), (k, 100)):                    # the next batch absent, then waiting
+        feed(k, seq)
+        batch = learner.take_batch(timeout_s=1.0)
+        feed(waiting, seq + 50)
+        seen.clear()
+        stats = learner.update_once(*batch)
+        assert seen and all(seen) == (waiting == 0) and (not any(seen)) == (waiting > 0), (waiting, seen)
+        assert stats["side_share"] == (0.0 if waiting == 0 else 1.0)
+    cfg.trainer.buffer_type = "standard"                        # the actors wait for every update: no gate
+    assert Learner(cfg, run_dir=None, publisher=ListPublisher()).critic_when is None
+
+
 @pytest.mark.parametrize("patch,why", [
     ({"algorithm": {"name": "grpo", "cfg": {"group_size": 2, "batch_size": 32}}, "policy": {"name": "actor_only"}},
      "grpo"),
@@ -488,8 +530,9 @@ def test_critic_thread_true_where_it_cannot_apply_is_a_config_error(patch, why):
         raw[block] = {**raw.get(block, {}), **values}
     with pytest.raises(ConfigError, match=rf"learner\.critic_thread: true needs .*{why}"):
         config_from_dict(raw, source="t.json")
-    raw["learner"]["critic_thread"] = "auto"
-    config_from_dict(raw, source="t.json")                          # auto: quietly off there
+    for quiet in ("auto", "idle"):
+        raw["learner"]["critic_thread"] = quiet
+        config_from_dict(raw, source="t.json")                      # quietly off there
     raw["learner"]["critic_thread"] = "yes"
     with pytest.raises(ConfigError, match=r"learner\.critic_thread"):
         config_from_dict(raw, source="t.json")

@@ -105,17 +105,22 @@ def _actor_critic_batch(n: int, seed: int, with_mask: bool):
     return cfg, policy, td
 
 
-@pytest.mark.parametrize("correction,with_mask,clip_vloss", [("none", False, False), ("ewma", False, True),
-                                                             ("is", True, False)])
-def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_mask, clip_vloss):
+@pytest.mark.parametrize("correction,with_mask,clip_vloss,gated", [("none", False, False, False),
+                                                                    ("ewma", False, True, False),
+                                                                    ("is", True, False, False),
+                                                                    ("ewma", True, True, True)])
+def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_mask, clip_vloss, gated):
     """learner.critic_thread: the value loss's backward on a second thread. Actor and critic share no
-    parameter, so the weights, Adam's state and every diagnostic must equal the one-thread update's."""
+    parameter, so the weights, Adam's state and every diagnostic must equal the one-thread update's.
+    `gated` ("idle"): the thread takes only some minibatches' value losses, the caller the others."""
+    import itertools
     from concurrent.futures import ThreadPoolExecutor
 
     from learner.learner import make_optimizer
     from learner.vtrace import EWMAProximal
     results = []
     for threaded in (False, True):
+        when = itertools.cycle([True, False, False]).__next__ if threaded and gated else None
         cfg, policy, td = _actor_critic_batch(300, seed=3, with_mask=with_mask)
         a = PPOConfig(n_epochs=3, batch_size=64, correction=correction, clip_vloss=clip_vloss, max_grad_norm=0.5,
                       ent_coef=0.01)
@@ -124,13 +129,14 @@ def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_ma
         pool = ThreadPoolExecutor(1) if threaded else None
         try:
             stats = ppo_update(policy, opt, td, a, torch.Generator().manual_seed(0), renormalize=correction == "none",
-                               proximal=prox, critic_thread=pool)
+                               proximal=prox, critic_thread=pool, critic_when=when)
         finally:
             if pool is not None:
                 pool.shutdown()
         results.append((policy.state_dict(), opt.state_dict()["state"], stats))
     (w0, s0, d0), (w1, s1, d1) = results
     assert d0["steps"] == d1["steps"] == 15
+    assert "side_share" not in d0 and d1.pop("side_share") == (5 / 15 if gated else 1.0)
     for k in w0:
         assert torch.equal(w0[k], w1[k]), k
     for i in s0:
