@@ -13,6 +13,8 @@ In one sitting, for every seed in turn, every variant trains the config to the s
   next rollouts while the learner trains on the last ones, so every sample is trained on by the
   version after the one that acted (lag exactly 1), and the learner's update runs first where they
   compete for a core.
+- ``overlap_idle`` -- ``overlap`` with ``learner.critic_thread=idle``: while the next rollouts already
+  wait (the actors have nothing to do), each minibatch's value loss runs on a second thread.
 - ``plain`` -- a single-process loop built from Tandem's own pieces (one :class:`Collector` stepping
   every env, ``num_actors x num_envs``; the same :class:`Learner` update), run synchronously in a
   fresh interpreter with torch's default threads: the same algorithm, without processes.
@@ -60,10 +62,11 @@ from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_sig
                      tail)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
-VARIANTS = ("standard", "overlap", "plain", "sb3")
-TANDEM_SETS = {"standard": ["trainer.buffer_type=standard"],
-               "overlap": ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1",
-                           "actors.nice=10", "actors.weights_at=rollout"]}
+VARIANTS = ("standard", "overlap", "overlap_idle", "plain", "sb3")
+_OVERLAP = ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1", "actors.nice=10",
+            "actors.weights_at=rollout"]
+TANDEM_SETS = {"standard": ["trainer.buffer_type=standard"], "overlap": _OVERLAP,
+               "overlap_idle": [*_OVERLAP, "learner.critic_thread=idle"]}
 STOP_S = 10.0
 
 
