@@ -22,8 +22,9 @@ Figures:
   run's consumed samples (one step histogram per run, integer bins).
 - ``lag_over_time.png``: mean lag of each consumed rollout against time (faint points), with a rolling mean
   over 20 rollouts.
-- ``return_vs_steps.png`` / ``return_vs_time.png``: evaluation return, with a ±1 std band, against env steps
-  and against time.
+- ``return_vs_steps.png`` / ``return_vs_time.png``: evaluation return against env steps and against time:
+  a line per run with a ±1 std band over episodes or, where a setting was run with several seeds, a line
+  per setting (mean over seeds, ±1 std band over seeds, each seed faint).
 - ``actor_throughput.png``: env steps/s the learner received from each actor (consumed or dropped), in bins
   of 5% of the run; one panel per run, one line style per actor.
 - ``sync_delay.png``: weight-sync delay (from the learner publishing a version to an actor first acting with
@@ -394,13 +395,20 @@ def _note_missing(ax: Axes, runs: Sequence[Run], has_data: Callable[[Run], bool]
                 fontsize=8, color="0.35")
 
 
+LEGEND_INSIDE_MAX = 12   # legend entries drawn inside the axes; more go beside them
+
+
 def _finish(ax: Axes, title: str, xlabel: str, ylabel: str) -> None:
     """Title, axis labels, grid and (when anything is labelled) a legend."""
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
+    n = len(ax.get_legend_handles_labels()[0])
+    if n > LEGEND_INSIDE_MAX:   # beside the axes, in columns, instead of over the curves
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=math.ceil(n / 28),
+                  borderaxespad=0.0)
+    elif n:
         ax.legend(fontsize="small")
 
 
@@ -456,27 +464,59 @@ def _eval_time(run: Run, evaluation: dict[str, Any]) -> float | None:
     return t if t is not None else _num(evaluation.get("wall_s"))
 
 
+def _eval_curve(run: Run, by_time: bool) -> np.ndarray | None:
+    """``[3, n]``: x (env steps or seconds), return mean and return std of each evaluation, sorted by x."""
+    rows = []
+    for e in run.evals:
+        x = _eval_time(run, e) if by_time else _num(e.get("env_steps"))
+        if x is not None:
+            std = _num(e.get("eval/return_std"))
+            rows.append((x, float(e["eval/return_mean"]), math.nan if std is None else std))
+    return np.array(sorted(rows)).T if rows else None
+
+
 def _plot_return(runs: Sequence[Run], colours: Sequence[Colour], by_time: bool) -> Figure:
-    """Figures 3: evaluation return ± std against env steps (`by_time` False) or wall time."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    """Figures 3: evaluation return against env steps (`by_time` False) or wall time.
+
+    Runs that differ only in their seed (:func:`seed_groups`) are drawn as one line when any setting
+    has several: at each evaluation index, the mean over the seeds of x and of the return, with a
+    band of ±1 std over the seeds; each seed is a thin faint line. Otherwise a line per run, its
+    band ±1 std over the evaluation's episodes."""
+    groups = seed_groups(runs)
+    by_seed = any(len(members) > 1 for _, members in groups)
+    fig, ax = plt.subplots(figsize=(10, 5) if len(groups if by_seed else runs) > LEGEND_INSIDE_MAX else (8, 5))
     shown: set[int] = set()  # id() of the runs drawn
-    for run, colour in zip(runs, colours):
-        rows = []
-        for e in run.evals:
-            x = _eval_time(run, e) if by_time else _num(e.get("env_steps"))
-            if x is not None:
-                std = _num(e.get("eval/return_std"))
-                rows.append((x, float(e["eval/return_mean"]), math.nan if std is None else std))
-        if not rows:
-            continue
-        x, mean, std = np.array(sorted(rows)).T
-        ax.plot(x, mean, color=colour, linewidth=1.8, marker="o", markersize=3, label=run.label)
-        if not np.isnan(std).all():
-            ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
-        shown.add(id(run))
+    if by_seed:
+        for (label, members), colour in zip(groups, _run_colours(len(groups))):
+            curves = [(r, c) for r in members if (c := _eval_curve(r, by_time)) is not None]
+            if not curves:
+                continue
+            for run, c in curves:
+                ax.plot(c[0], c[1], color=colour, linewidth=0.7, alpha=0.3)
+                shown.add(id(run))
+            n = min(c.shape[1] for _, c in curves)     # the evaluations every seed reached
+            xs = np.stack([c[0, :n] for _, c in curves])
+            ys = np.stack([c[1, :n] for _, c in curves])
+            x, mean, std = xs.mean(0), ys.mean(0), ys.std(0)
+            ax.plot(x, mean, color=colour, linewidth=1.8, marker="o", markersize=3,
+                    label=f"{label} (n={len(curves)})" if len(curves) > 1 else label)
+            if len(curves) > 1:
+                ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
+        band = "line: mean over seeds, band: ±1 std over seeds"
+    else:
+        for run, colour in zip(runs, colours):
+            c = _eval_curve(run, by_time)
+            if c is None:
+                continue
+            x, mean, std = c
+            ax.plot(x, mean, color=colour, linewidth=1.8, marker="o", markersize=3, label=run.label)
+            if not np.isnan(std).all():
+                ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
+            shown.add(id(run))
+        band = "band: ±1 std over episodes"
     _note_missing(ax, runs, lambda r: id(r) in shown, "no evaluations recorded")
     xlabel = "wall time since start (s)" if by_time else "env steps"
-    _finish(ax, f"Evaluation return vs {'wall time' if by_time else 'env steps'} (band: ±1 std)", xlabel,
+    _finish(ax, f"Evaluation return vs {'wall time' if by_time else 'env steps'} ({band})", xlabel,
             "evaluation return (mean over episodes)")
     return fig
 
@@ -658,9 +698,11 @@ FIGURES: tuple[tuple[str, str, FigureFn, str], ...] = (
      (f"Mean lag of each consumed rollout (points) and its rolling mean over {ROLLING_WINDOW} rollouts, "
       "against wall time since the run started.")),
     ("return_vs_steps.png", "Return vs env steps", plot_return_vs_steps,
-     "Evaluation return against env steps, with a ±1 std band."),
+     ("Evaluation return against env steps. Settings run over several seeds: a line per setting (the mean "
+      "over seeds, a ±1 std band over seeds, each seed faint); otherwise a line per run, with a ±1 std band "
+      "over the evaluation's episodes.")),
     ("return_vs_time.png", "Return vs wall time", plot_return_vs_time,
-     "Evaluation return against wall time since the run started, with a ±1 std band."),
+     "Evaluation return against wall time since the run started, drawn as return vs env steps is."),
     ("actor_throughput.png", "Actor throughput", plot_actor_throughput,
      "Env steps/s the learner received from each actor (consumed or dropped), in bins of 5% of the run."),
     ("sync_delay.png", "Weight-sync delay", plot_sync_delay,

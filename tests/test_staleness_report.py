@@ -226,3 +226,31 @@ def test_a_large_sweep_keeps_every_figure_within_the_pixel_cap(tmp_path: Path) -
     tw, th = sizes["actor_throughput.png"]
     assert tw * th > 0.9 * staleness.MAX_PIXELS                 # capped, not shrunk further
     assert 1.1 < th / tw < 1.5                                   # 4 columns x 10 rows of 5.5 x 2.8 in panels
+
+
+def test_return_figures_draw_a_line_per_setting_over_seeds(tmp_path: Path) -> None:
+    """Settings run over several seeds: one labelled line per setting at the seeds' mean (x and return),
+    a band of ±1 std over seeds, each seed a faint unlabelled line; evaluations past the shortest seed's
+    are left out of the mean. Single runs keep a line each."""
+    import numpy as np
+    runs = []
+    for correction, base in (("none", 0.0), ("is", 1000.0)):
+        for seed, (offset, evals) in enumerate(((0.0, 4), (20.0, 3)), 1):
+            d = tmp_path / f"sync1_delay0_{correction}_s{seed}"
+            write_run(d, n_rollouts=4, correction=correction, drops=[], syncs=False, truncated=False)
+            metrics = [{"eval/return_mean": base + offset + 10.0 * j, "eval/return_std": 1.0,
+                        "env_steps": 100 * (j + 1) + seed, "time": T0 + j} for j in range(evals)]
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+            runs.append(staleness.load_run(d))
+    fig = staleness.plot_return_vs_steps(runs, staleness._run_colours(len(runs)))
+    ax = fig.axes[0]
+    labelled = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert set(labelled) == {"sync1_delay0_none (n=2)", "sync1_delay0_is (n=2)"}
+    assert len(ax.get_lines()) == 6                                   # 2 means + 4 faint seeds
+    none = labelled["sync1_delay0_none (n=2)"]
+    np.testing.assert_allclose(none.get_ydata(), [10.0, 20.0, 30.0])  # mean of offsets 0 and 20, 3 evals each
+    np.testing.assert_allclose(none.get_xdata(), [101.5, 201.5, 301.5])
+    assert "over seeds" in ax.get_title()
+    single = staleness.plot_return_vs_steps(runs[:1] + runs[2:3], staleness._run_colours(2)).axes[0]
+    assert {line.get_label() for line in single.get_lines()} == {"sync1_delay0_none_s1", "sync1_delay0_is_s1"}
+    assert "over episodes" in single.get_title()
