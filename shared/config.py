@@ -230,7 +230,8 @@ class LearnerConfig:
     always do); otherwise that minibatch's value loss runs on the learner's own thread. The second
     core is then taken only when collection leaves it idle. Quietly off where it cannot apply, like
     auto. The update is the same, bit for bit, whichever thread each value loss ran on
-    (train/critic_thread_share: the share that ran on the thread)."""
+    (train/critic_thread_share: the share that ran on the thread). Measured (HalfCheetah overlap with
+    ewma, 3 seeds, README): 0.81x -> 0.75x of SB3's wall, 28% of value losses on the thread."""
     recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
