@@ -105,7 +105,7 @@ def _cores_left_to_learner(cfg: Config) -> int:
 
 def uses_critic_thread(cfg: Config, policy: torch.nn.Module, ranks=None) -> bool:
     """``learner.critic_thread`` resolved: does the PPO update run the value loss on a second thread
-    (for "idle", at least at times: see :func:`critic_thread_gate`)?"""
+    (for "idle", at least at times: ``Learner.critic_when`` says when)?"""
     choice = cfg.learner.critic_thread
     applies = (cfg.algorithm.name == "ppo" and ranks is None and hasattr(policy, "evaluate_actor")
                and has_critic(policy))
