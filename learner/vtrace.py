@@ -65,8 +65,8 @@ from learner.minibatch import log_ratio
 @torch.no_grad()
 def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, reward: torch.Tensor,
            value: torch.Tensor, next_value: torch.Tensor, terminated: torch.Tensor, done: torch.Tensor,
-           gamma: float, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0, weighted: bool = True
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           gamma: float, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0, weighted: bool = True,
+           advantage: str = "impala") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """V-trace targets and policy-gradient advantages on ``[N, T]`` rollouts (time on the last axis).
 
     Args:
@@ -83,12 +83,20 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
         lam: c_t = lam * min(c_bar, rho_t).
         weighted: False returns the advantage without its ``min(rho_bar, rho_t)`` factor (the
             learner normalises it first, then weights it).
+        advantage: ``"impala"``: IMPALA's ``r_t + gamma v_{t+1} - V(s_t)``, whose one-step target
+            uses the whole trace at t+1 (on-policy: a lambda-return at t+1 with no lambda at t, more
+            variance than GAE for lambda < 1). ``"gae"``: ``r_t + gamma ((1 - lam) V(s_{t+1}) +
+            lam v_{t+1}) - V(s_t)``, the same mixture GAE takes, so that on on-policy data (rho = 1,
+            c_bar >= 1) it is GAE(lam) exactly; off-policy it keeps V-trace's truncated traces.
 
     Returns:
         ``(vs, pg_advantage, rho)``: the V-trace targets ``v_s``, the advantages
-        ``min(rho_bar, rho_t) (r_t + gamma v_{t+1} - V(s_t))`` (with ``v_{t+1}`` the bootstrap value
-        after a done or the last step), and the untruncated ratios ``rho_t = pi / mu``.
+        ``min(rho_bar, rho_t) (r_t + gamma q_{t+1} - V(s_t))`` with ``q_{t+1}`` per `advantage`
+        (``v_{t+1}``, the bootstrap value after a done or the last step, or its mixture with
+        ``V(s_{t+1})``), and the untruncated ratios ``rho_t = pi / mu``.
     """
+    if advantage not in ("impala", "gae"):
+        raise ValueError(f"vtrace: advantage must be 'impala' or 'gae', got {advantage!r}")
     shapes = {tuple(x.shape) for x in (behaviour_log_prob, target_log_prob, reward, value, next_value,
                                        terminated, done)}
     if len(shapes) != 1:
@@ -109,6 +117,8 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
     # v_{t+1}: the next step's target inside an episode; the bootstrap value after a done or at the end.
     vs_next = torch.cat([vs[..., 1:], boot[..., -1:]], dim=-1)
     vs_next = torch.where(done.bool(), boot, vs_next)
+    if advantage == "gae":
+        vs_next = (1.0 - lam) * boot + lam * vs_next
     pg_advantage = reward + gamma * vs_next - value
     return vs, (rho_t * pg_advantage if weighted else pg_advantage), rho
 

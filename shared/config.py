@@ -377,6 +377,11 @@ class PPOConfig(ClippedPGConfig):
     vtrace_lambda: Optional[Annotated[float, Range(ge=0, le=1)]] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
+    vtrace_advantage: Literal["gae", "impala"] = "impala"
+    """The policy-gradient advantage of vtrace and appo. impala: r + gamma v_{s+1} - V(s) (IMPALA,
+    Sample Factory), which on on-policy data is not GAE for lambda < 1: its target at s+1 is the
+    whole lambda-return. gae: r + gamma ((1 - lambda) V(s+1) + lambda v_{s+1}) - V(s), which is
+    GAE(lambda) exactly on on-policy data and keeps V-trace's truncated traces off-policy."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,

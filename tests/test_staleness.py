@@ -139,14 +139,15 @@ def test_pace_waits_for_the_learner_instead_of_running_ahead():
     assert actor.step_once() and len(sink.messages) == 3
 
 
-@pytest.mark.parametrize("correction,lam", [("is", 1.0), ("is", 0.9), ("vtrace", 1.0), ("appo", 1.0), ("mask", 0.9),
-                                            ("ewma", 0.9)])
-def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam):
+@pytest.mark.parametrize("correction,lam,vtrace_advantage", [
+    ("is", 1.0, "impala"), ("is", 0.9, "impala"), ("vtrace", 1.0, "impala"), ("appo", 1.0, "impala"),
+    ("vtrace", 0.9, "gae"), ("appo", 0.9, "gae"), ("mask", 0.9, "impala"), ("ewma", 0.9, "impala")])
+def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam, vtrace_advantage):
     """On-policy data (standard mode): every correction gives plain PPO's first update. Advantage
     normalisation is off on both sides, since plain PPO normalises per minibatch and the corrections
     once per batch (test_corrections_normalise_once_per_batch_before_weighting). V-trace and APPO only
-    at lambda = 1: for lambda < 1 their value targets are still GAE's, but IMPALA's policy-gradient
-    advantage r + gamma v_{s+1} - V(s) is not GAE's. ewma with its decay near 1, so that its proximal
+    at lambda = 1 with IMPALA's policy-gradient advantage r + gamma v_{s+1} - V(s), which is not GAE's
+    for lambda < 1 (their value targets still are); at any lambda with vtrace_advantage "gae". ewma with its decay near 1, so that its proximal
     policy stays at the weights that acted."""
     results = []
     for corr in ("none", correction):
@@ -155,6 +156,7 @@ def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam):
         cfg.algorithm.cfg.correction = corr
         cfg.algorithm.cfg.norm_adv = False
         cfg.algorithm.cfg.ewma_decay = 0.999999
+        cfg.algorithm.cfg.vtrace_advantage = vtrace_advantage
         pub = ListPublisher()
         learner = Learner(cfg, run_dir=None, publisher=pub)
         learner.publish()

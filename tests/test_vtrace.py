@@ -24,9 +24,11 @@ def _random_rollout(n=5, t=12, seed=0, p_term=0.1, p_trunc=0.08):
     return mu, pi, reward, value, next_value, terminated, terminated | truncated
 
 
-def _loop_reference(mu, pi, reward, value, next_value, terminated, done, gamma, rho_bar, c_bar, lam):
+def _loop_reference(mu, pi, reward, value, next_value, terminated, done, gamma, rho_bar, c_bar, lam,
+                    advantage="impala"):
     """The IMPALA definition, written out: v_s = V(x_s) + sum_t gamma^(t-s) (prod_{i<t} c_i) delta_t,
-    the sum running to the episode's end or the rollout's end."""
+    the sum running to the episode's end or the rollout's end. The advantage's target at s+1 is
+    v_{s+1} (impala) or (1 - lam) V(x_{s+1}) + lam v_{s+1} (gae)."""
     n, t_len = reward.shape
     vs = torch.zeros(n, t_len, dtype=torch.float64)
     adv = torch.zeros(n, t_len, dtype=torch.float64)
@@ -51,6 +53,8 @@ def _loop_reference(mu, pi, reward, value, next_value, terminated, done, gamma, 
             vs[e, s] = total
         for s in range(t_len):
             nxt = boot(s) if (done[e, s] or s == t_len - 1) else float(vs[e, s + 1])
+            if advantage == "gae":
+                nxt = (1 - lam) * v_next(s) + lam * nxt
             adv[e, s] = min(rho_bar, rho[s]) * (float(reward[e, s]) + gamma * nxt - float(value[e, s]))
     return vs, adv
 
@@ -58,12 +62,14 @@ def _loop_reference(mu, pi, reward, value, next_value, terminated, done, gamma, 
 @pytest.mark.parametrize("rho_bar,c_bar,lam", [(1.0, 1.0, 1.0), (2.0, 0.9, 1.0), (1.0, 1.0, 0.95),
                                                (float("inf"), float("inf"), 1.0)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_vtrace_equals_loop_reference(rho_bar, c_bar, lam, seed):
+@pytest.mark.parametrize("advantage", ["impala", "gae"])
+def test_vtrace_equals_loop_reference(rho_bar, c_bar, lam, seed, advantage):
     mu, pi, reward, value, next_value, terminated, done = _random_rollout(seed=seed)
     # inside the rollout V(x_{t+1}) is the next step's value: build next_value that way, as the learner does
     nv = current_values(value, next_value, done)
-    vs, adv, rho = vtrace(mu, pi, reward, value, nv, terminated, done, 0.97, rho_bar, c_bar, lam)
-    ref_vs, ref_adv = _loop_reference(mu, pi, reward, value, next_value, terminated, done, 0.97, rho_bar, c_bar, lam)
+    vs, adv, rho = vtrace(mu, pi, reward, value, nv, terminated, done, 0.97, rho_bar, c_bar, lam, advantage=advantage)
+    ref_vs, ref_adv = _loop_reference(mu, pi, reward, value, next_value, terminated, done, 0.97, rho_bar, c_bar, lam,
+                                      advantage)
     torch.testing.assert_close(vs.double(), ref_vs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(adv.double(), ref_adv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rho, (pi - mu).exp())
@@ -100,6 +106,24 @@ def test_on_policy_vtrace_is_gae_returns(lam):
             running = reward[:, t] + 0.99 * running
             ret[:, t] = running
         torch.testing.assert_close(vs, ret, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.9, 0.5])
+def test_on_policy_gae_advantage_is_gae_and_impala_is_not(lam):
+    """advantage="gae" is GAE(lambda) on on-policy data for every lambda; IMPALA's only at lambda = 1."""
+    _, pi, reward, value, next_value, terminated, done = _random_rollout(seed=3, n=6, t=20)
+    nv = current_values(value, next_value, done)
+    gae_adv, _ = compute_gae(reward, value, nv, terminated, done, 0.99, lam)
+    _, adv, _ = vtrace(pi, pi, reward, value, nv, terminated, done, 0.99, 1.0, 1.0, lam, advantage="gae")
+    torch.testing.assert_close(adv, gae_adv, rtol=1e-5, atol=1e-5)
+    _, impala, _ = vtrace(pi, pi, reward, value, nv, terminated, done, 0.99, 1.0, 1.0, lam)
+    assert torch.allclose(impala, gae_adv, rtol=1e-5, atol=1e-5) == (lam == 1.0)
+
+
+def test_unknown_advantage_is_an_error():
+    a = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="'impala' or 'gae'"):
+        vtrace(a, a, a, a, a, a.bool(), a.bool(), 0.9, advantage="td")
 
 
 def test_truncated_weights_cap_the_advantage_and_the_trace():
