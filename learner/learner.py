@@ -469,7 +469,9 @@ class Learner:
             return out, True
         if a.norm_adv and adv.numel() > 1:       # once per batch, before any importance weight
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        if corr != "ewma":                       # ewma weights per minibatch, against its moving average
+        if corr != "ewma" and (corr != "appo" or a.appo_rho_weight):
+            # ewma weights per minibatch, against its moving average; appo without its extra
+            # weight keeps PPO's ratio pi/mu as the only one
             adv = adv * rho.clamp(max=rho_bar)
         flat.set(keys.ADVANTAGE, adv)
         if corr in ("is", "vtrace", "mask"):

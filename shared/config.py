@@ -382,6 +382,10 @@ class PPOConfig(ClippedPGConfig):
     Sample Factory), which on on-policy data is not GAE for lambda < 1: its target at s+1 is the
     whole lambda-return. gae: r + gamma ((1 - lambda) V(s+1) + lambda v_{s+1}) - V(s), which is
     GAE(lambda) exactly on on-policy data and keeps V-trace's truncated traces off-policy."""
+    appo_rho_weight: bool = True
+    """appo: weight each advantage by min(rho_bar, pi/mu) as Sample Factory does. PPO's ratio pi/mu
+    already importance-weights against the behaviour policy, so this weights twice (a gradient
+    through rho x min(rho_bar, rho)); false leaves the ratio as the only weight."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,

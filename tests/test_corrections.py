@@ -62,6 +62,20 @@ def test_advantages_are_normalised_once_per_batch_before_the_weight(tmp_path, mo
     assert (seen["kwargs"]["proximal"] is not None) == (correction == "ewma")
 
 
+@pytest.mark.parametrize("rho_weight", [True, False])
+def test_appo_weights_its_advantage_by_the_truncated_ratio_only_when_asked(tmp_path, monkeypatch, rho_weight):
+    cfg, _, td, logp_now, _, seen, _ = _stale_update(tmp_path, monkeypatch, correction="appo", recompute_values=False,
+                                                     appo_rho_weight=rho_weight)
+    a = cfg.algorithm.cfg
+    _, adv, _ = vtrace(td[keys.LOG_PROB], logp_now, td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE],
+                       td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False)
+    rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
+    expected = _norm(adv) * (rho.clamp(max=1.0) if rho_weight else 1.0)
+    torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], expected)
+    torch.testing.assert_close(seen["batch"][keys.LOG_PROB], td[keys.LOG_PROB])   # the clip stays on mu
+    assert bool((rho < 0.99).any())          # stale enough that the weight is not 1 everywhere
+
+
 def test_plain_ppo_still_normalises_per_minibatch(tmp_path, monkeypatch):
     _, _, _, _, _, seen, _ = _stale_update(tmp_path, monkeypatch, correction="none")
     assert seen["kwargs"]["renormalize"] is True and seen["kwargs"]["proximal"] is None
