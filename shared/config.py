@@ -377,15 +377,18 @@ class PPOConfig(ClippedPGConfig):
     vtrace_lambda: Optional[Annotated[float, Range(ge=0, le=1)]] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
-    vtrace_advantage: Literal["gae", "impala"] = "impala"
-    """The policy-gradient advantage of vtrace and appo. impala: r + gamma v_{s+1} - V(s) (IMPALA,
-    Sample Factory), which on on-policy data is not GAE for lambda < 1: its target at s+1 is the
-    whole lambda-return. gae: r + gamma ((1 - lambda) V(s+1) + lambda v_{s+1}) - V(s), which is
-    GAE(lambda) exactly on on-policy data and keeps V-trace's truncated traces off-policy."""
-    appo_rho_weight: bool = True
-    """appo: weight each advantage by min(rho_bar, pi/mu) as Sample Factory does. PPO's ratio pi/mu
-    already importance-weights against the behaviour policy, so this weights twice (a gradient
-    through rho x min(rho_bar, rho)); false leaves the ratio as the only weight."""
+    vtrace_advantage: Literal["gae", "impala"] = "gae"
+    """The policy-gradient advantage of vtrace and appo. gae (default): r + gamma ((1 - lambda)
+    V(s+1) + lambda v_{s+1}) - V(s), which is GAE(lambda) exactly on on-policy data and keeps
+    V-trace's truncated traces off-policy. impala: r + gamma v_{s+1} - V(s) (IMPALA, Sample
+    Factory), which on on-policy data is not GAE for lambda < 1: its target at s+1 is the whole
+    lambda-return. Measured on Pendulum (README): vtrace at lag 9 -151 +- 20 with gae against
+    -467 +- 308 with impala (3 seeds); level at lag 1 (8 seeds)."""
+    appo_rho_weight: bool = False
+    """appo: also weight each advantage by min(rho_bar, pi/mu), as Sample Factory does. PPO's ratio
+    pi/mu already importance-weights against the behaviour policy, so this weights twice (a gradient
+    through rho x min(rho_bar, rho)). Default false, the ratio as the only weight: on Pendulum at a
+    lag of exactly 1, -129 +- 9 against -156 +- 33 with the weight (8 seeds, README)."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,

@@ -68,7 +68,8 @@ def test_appo_weights_its_advantage_by_the_truncated_ratio_only_when_asked(tmp_p
                                                      appo_rho_weight=rho_weight)
     a = cfg.algorithm.cfg
     _, adv, _ = vtrace(td[keys.LOG_PROB], logp_now, td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE],
-                       td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False)
+                       td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
+                       advantage=a.vtrace_advantage)
     rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
     expected = _norm(adv) * (rho.clamp(max=1.0) if rho_weight else 1.0)
     torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], expected)
@@ -114,14 +115,16 @@ def test_appo_targets_are_vtrace_and_its_clip_is_anchored_on_the_behaviour_polic
         out[corr] = (flat, stats, renormalize)
     (v, stats_v, renorm_v), (a, stats_a, renorm_a) = out["vtrace"], out["appo"]
     torch.testing.assert_close(a[keys.VALUE_TARGET], v[keys.VALUE_TARGET])
-    torch.testing.assert_close(a[keys.ADVANTAGE], v[keys.ADVANTAGE])
+    # the same advantages, but for V-trace's min(1, pi/mu) weight (appo_rho_weight is off by default)
+    with torch.no_grad():
+        logp_now, _, v_now = learner.policy.evaluate_actions(td.reshape(-1))
+    rho = log_ratio(logp_now.view(n, t), td[keys.LOG_PROB]).exp()
+    torch.testing.assert_close(a[keys.ADVANTAGE] * rho.clamp(max=1.0), v[keys.ADVANTAGE])
     assert stats_a == stats_v and renorm_a is renorm_v is False
     # APPO: PPO's ratio on pi/mu; V-trace's decoupled clip: on the policy at the start of the update
     torch.testing.assert_close(a[keys.LOG_PROB], td[keys.LOG_PROB])
     assert not torch.allclose(v[keys.LOG_PROB], td[keys.LOG_PROB])
     # and the targets are V-trace's on the current critic, with rho_bar = c_bar = 1
-    with torch.no_grad():
-        logp_now, _, v_now = learner.policy.evaluate_actions(td.reshape(-1))
     torch.testing.assert_close(v[keys.LOG_PROB], logp_now.view(n, t))
     torch.testing.assert_close(v[keys.VALUE], v_now.view(n, t))
 
@@ -133,6 +136,10 @@ def test_rho_bar_defaults_per_correction():
     assert PPOConfig(correction="vtrace").rho_bar_for() == 1.0
     assert PPOConfig(correction="appo").rho_bar_for() == 1.0
     assert PPOConfig(correction="is", rho_bar=2.5).rho_bar_for() == 2.5
+
+
+def test_vtrace_and_appo_defaults_are_the_measured_ones():
+    assert PPOConfig().vtrace_advantage == "gae" and PPOConfig().appo_rho_weight is False
 
 
 def _tiny_policy():
