@@ -362,7 +362,7 @@ class PPOConfig(ClippedPGConfig):
     none: PPO's ratio on the behaviour log-prob mu. is: decoupled PPO, the clip centred on the
     policy at the start of the update, advantages weighted by min(rho_bar, pi/mu). vtrace: is, with
     IMPALA's V-trace value targets and advantages. appo: Sample Factory's APPO, PPO's clip on pi/mu
-    with V-trace targets and rho-truncated V-trace advantages. ewma: decoupled PPO whose proximal
+    with V-trace targets and advantages (see appo_rho_weight). ewma: decoupled PPO whose proximal
     policy is an exponential moving average of past weights (Hilton et al. 2021). mask: is, with the
     samples whose pi/mu lies outside [1/mask_threshold, mask_threshold] dropped from the update.
     Any correction but none normalises advantages once per batch, before the importance weight.
