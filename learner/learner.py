@@ -459,7 +459,7 @@ class Learner:
         if corr in ("vtrace", "appo"):
             lam = a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda
             target, adv, _ = vtrace(mu, logp_now, reward, value_now, next_now, terminated, done, a.gamma, rho_bar,
-                                    a.c_bar, lam, weighted=False, advantage=a.vtrace_advantage)
+                                    a.c_bar, lam, weighted=False, advantage=a.vtrace_advantage_for())
         else:
             adv, target = compute_gae(reward, value_now, next_now, terminated, done, a.gamma, a.gae_lambda)
         flat.set(keys.VALUE_TARGET, target)

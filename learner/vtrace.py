@@ -23,20 +23,25 @@ importance-weight truncation) defaults per correction: 100 for ``is``, ``ewma`` 
 ``vtrace``
     ``is`` with IMPALA's V-trace (Espeholt et al., 2018): value targets ``v_s``, traces cut by
     ``c = lambda min(c_bar, rho)``, and advantages ``min(rho_bar, rho_s) (r_s + gamma q_{s+1} - V(s_s))``.
-    ``vtrace_advantage`` picks ``q_{s+1}``: ``gae`` (default) ``(1 - lambda) V(s_{s+1}) + lambda
+    ``vtrace_advantage`` picks ``q_{s+1}``: ``gae`` (vtrace's default) ``(1 - lambda) V(s_{s+1}) + lambda
     v_{s+1}``, which makes the advantage GAE(lambda) exactly on on-policy data; ``impala``
     ``v_{s+1}``, IMPALA's own, a lambda-return one step on with no lambda at s. Corrects the value
     targets too, which GAE on stale data does not: use for large lags, or whenever the critic's
     targets matter more than the trust region. Measured on Pendulum at lag 9 (3 seeds): -151 +- 20
-    with ``gae`` against -467 +- 308 with ``impala``; level at lag 1 (8 seeds).
+    with ``gae`` against -467 +- 308 with ``impala``; level at lag 1 (8 seeds); HalfCheetah at lag 1:
+    2796 +- 127 against 2620 +- 259 (3 seeds).
 ``appo``
     Sample Factory's APPO (Petrenko et al., 2020): PPO's clip on pi/mu, anchored on the behaviour
     policy as in plain PPO, with V-trace value targets and V-trace advantages. The clip then also
     bounds how far an update moves from what acted; use when lags are large and uneven (several
-    actors at different speeds), the setting Sample Factory built it for. Sample Factory also
-    weights each advantage by ``min(rho_bar, pi/mu)``; with the ratio pi/mu already in PPO's
-    surrogate that weights every sample twice, which cost Pendulum at a lag of 1 (-156 +- 33 against
-    -131.7 +- 5.7 for ``none``, 8 seeds), so it is off unless ``appo_rho_weight`` is set.
+    actors at different speeds), the setting Sample Factory built it for. As in Sample Factory
+    (the defaults ``vtrace_advantage`` impala for appo, ``appo_rho_weight`` true), each advantage
+    is also weighted by ``min(rho_bar, pi/mu)``; with the ratio pi/mu already in PPO's surrogate
+    that weights every sample twice and damps the ones the policy has moved away from. That is a
+    trade-off (README, 8 seeds on Pendulum and 3-6 on HalfCheetah at a lag of exactly 1): without the
+    weight Pendulum gains (-129 +- 9 against -156 +- 33), HalfCheetah, whose policy moves far in one
+    update, has seeds that collapse (2 of 6 below 300). Set ``appo_rho_weight: false`` where the
+    policy changes little per update.
 ``ewma``
     Decoupled PPO whose proximal policy is an exponential moving average of past weights (Hilton et
     al., 2021, "Batch size-invariance for policy optimization"): clip against pi_ewma, weight by

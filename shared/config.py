@@ -377,18 +377,23 @@ class PPOConfig(ClippedPGConfig):
     vtrace_lambda: Optional[Annotated[float, Range(ge=0, le=1)]] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
-    vtrace_advantage: Literal["gae", "impala"] = "gae"
-    """The policy-gradient advantage of vtrace and appo. gae (default): r + gamma ((1 - lambda)
-    V(s+1) + lambda v_{s+1}) - V(s), which is GAE(lambda) exactly on on-policy data and keeps
-    V-trace's truncated traces off-policy. impala: r + gamma v_{s+1} - V(s) (IMPALA, Sample
-    Factory), which on on-policy data is not GAE for lambda < 1: its target at s+1 is the whole
-    lambda-return. Measured on Pendulum (README): vtrace at lag 9 -151 +- 20 with gae against
-    -467 +- 308 with impala (3 seeds); level at lag 1 (8 seeds)."""
-    appo_rho_weight: bool = False
+    vtrace_advantage: Optional[Literal["gae", "impala"]] = None
+    """The policy-gradient advantage of vtrace and appo. gae: r + gamma ((1 - lambda) V(s+1) +
+    lambda v_{s+1}) - V(s), which is GAE(lambda) exactly on on-policy data and keeps V-trace's
+    truncated traces off-policy. impala: r + gamma v_{s+1} - V(s) (IMPALA, Sample Factory), which on
+    on-policy data is not GAE for lambda < 1: its target at s+1 is the whole lambda-return. None
+    (default): gae for vtrace, impala for appo, as measured (README): vtrace on Pendulum at lag 9
+    -151 +- 20 with gae against -467 +- 308 with impala, on HalfCheetah at lag 1 2796 +- 127 against
+    2620 +- 259; appo level on Pendulum either way, and on HalfCheetah at lag 1 one seed in three
+    collapsed with gae (with or without appo_rho_weight) and none with impala."""
+    appo_rho_weight: bool = True
     """appo: also weight each advantage by min(rho_bar, pi/mu), as Sample Factory does. PPO's ratio
-    pi/mu already importance-weights against the behaviour policy, so this weights twice (a gradient
-    through rho x min(rho_bar, rho)). Default false, the ratio as the only weight: on Pendulum at a
-    lag of exactly 1, -129 +- 9 against -156 +- 33 with the weight (8 seeds, README)."""
+    pi/mu already importance-weights against the behaviour policy, so this weights every sample
+    twice (a gradient through rho x min(rho_bar, rho)): it damps the samples the policy has moved
+    away from. A trade-off, measured at a lag of exactly 1 (README): without it Pendulum gains
+    (-129 +- 9 against -156 +- 33, 8 seeds), HalfCheetah, whose policy moves far in one update,
+    loses (2 seeds of 6 collapsed below 300; with it 2285 +- 222 over 3). Set false for tasks
+    whose policy changes little per update."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,
@@ -405,6 +410,12 @@ class PPOConfig(ClippedPGConfig):
     rollout's last step is recomputed from the observation vla-mode actors send for it
     (``bootstrap_observation``); a rollout without one (a recording from before it existed, or
     standard mode, where nothing is stale) keeps the actor's ``next_value`` there."""
+
+    def vtrace_advantage_for(self) -> str:
+        """The V-trace advantage in use (the default depends on the correction)."""
+        if self.vtrace_advantage is not None:
+            return self.vtrace_advantage
+        return "impala" if self.correction == "appo" else "gae"
 
     def rho_bar_for(self) -> float:
         """The truncation level in use (the default depends on the correction)."""

@@ -69,7 +69,7 @@ def test_appo_weights_its_advantage_by_the_truncated_ratio_only_when_asked(tmp_p
     a = cfg.algorithm.cfg
     _, adv, _ = vtrace(td[keys.LOG_PROB], logp_now, td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE],
                        td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
-                       advantage=a.vtrace_advantage)
+                       advantage=a.vtrace_advantage_for())
     rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
     expected = _norm(adv) * (rho.clamp(max=1.0) if rho_weight else 1.0)
     torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], expected)
@@ -108,19 +108,21 @@ def test_appo_targets_are_vtrace_and_its_clip_is_anchored_on_the_behaviour_polic
         learner.ingest(td.clone(), meta)
         learner.update_once(*learner.take_batch(timeout_s=0))
     out = {}
-    for corr in ("vtrace", "appo"):                 # the same learner state and data for both
-        learner.algo.correction = corr
+    learner.algo.vtrace_advantage = "gae"          # one advantage form for both (defaults differ per correction)
+    for corr, weight in (("vtrace", True), ("appo", True), ("appo_unweighted", False)):
+        learner.algo.correction, learner.algo.appo_rho_weight = corr.split("_")[0], weight
         flat = td.clone()
         stats, renormalize = learner._correct_and_advantages(flat, flat[keys.REWARD], stale=True)
         out[corr] = (flat, stats, renormalize)
     (v, stats_v, renorm_v), (a, stats_a, renorm_a) = out["vtrace"], out["appo"]
     torch.testing.assert_close(a[keys.VALUE_TARGET], v[keys.VALUE_TARGET])
-    # the same advantages, but for V-trace's min(1, pi/mu) weight (appo_rho_weight is off by default)
+    torch.testing.assert_close(a[keys.ADVANTAGE], v[keys.ADVANTAGE])
+    assert stats_a == stats_v and renorm_a is renorm_v is False
+    # without appo_rho_weight: the same advantages but for the min(1, pi/mu) weight
     with torch.no_grad():
         logp_now, _, v_now = learner.policy.evaluate_actions(td.reshape(-1))
     rho = log_ratio(logp_now.view(n, t), td[keys.LOG_PROB]).exp()
-    torch.testing.assert_close(a[keys.ADVANTAGE] * rho.clamp(max=1.0), v[keys.ADVANTAGE])
-    assert stats_a == stats_v and renorm_a is renorm_v is False
+    torch.testing.assert_close(out["appo_unweighted"][0][keys.ADVANTAGE] * rho.clamp(max=1.0), v[keys.ADVANTAGE])
     # APPO: PPO's ratio on pi/mu; V-trace's decoupled clip: on the policy at the start of the update
     torch.testing.assert_close(a[keys.LOG_PROB], td[keys.LOG_PROB])
     assert not torch.allclose(v[keys.LOG_PROB], td[keys.LOG_PROB])
@@ -139,7 +141,10 @@ def test_rho_bar_defaults_per_correction():
 
 
 def test_vtrace_and_appo_defaults_are_the_measured_ones():
-    assert PPOConfig().vtrace_advantage == "gae" and PPOConfig().appo_rho_weight is False
+    assert PPOConfig(correction="vtrace").vtrace_advantage_for() == "gae"
+    assert PPOConfig(correction="appo").vtrace_advantage_for() == "impala"
+    assert PPOConfig(correction="appo", vtrace_advantage="gae").vtrace_advantage_for() == "gae"
+    assert PPOConfig().appo_rho_weight is True
 
 
 def _tiny_policy():
