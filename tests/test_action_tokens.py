@@ -321,3 +321,42 @@ def test_deepcopy_while_a_value_is_pending(model):
     twin = copy.deepcopy(policy)
     obs = reach_obs()
     torch.testing.assert_close(twin.value(obs), policy.value(obs))
+
+
+def _pretrain_script():
+    spec = importlib.util.spec_from_file_location("pretrain_vla_tokens_reach", "launch/pretrain_vla_tokens_reach.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _ScriptedTokens(torch.nn.Module):
+    """Puts all its probability on one bin per dim: the named target's position (``reads=True``) or
+    target 0's whatever the instruction says (``reads=False``)."""
+
+    def __init__(self, reads: bool):
+        super().__init__()
+        self.reads, self.bins = reads, ActionBins(-1.0, 1.0, 21)
+
+    def action_dist(self, obs):
+        from shared.envs.reach import COLORS, TOKENS
+        from shared.policies.action_tokens import ActionTokenDistribution
+        rgb, n = obs["rgb"], obs["rgb"].shape[0]
+        k = obs["instruction"][:, 1] - TOKENS["red"] if self.reads else torch.zeros(n, dtype=torch.long)
+        hit = (rgb == COLORS[k][:, None, None]).all(-1)                       # [n, S, S] the 2x2 blob
+        ys, xs = hit.nonzero(as_tuple=True)[1:]
+        top_left = torch.stack([xs.view(n, 4).min(-1).values, ys.view(n, 4).min(-1).values], -1).float()
+        xy = top_left / (rgb.shape[1] - 2) * 2 - 1                             # Reach's pixel mapping, inverted
+        logits = torch.full((n, 2, 21), -30.0)
+        logits.scatter_(-1, self.bins.to_bins(xy).unsqueeze(-1), 0.0)
+        return ActionTokenDistribution(logits.log_softmax(-1), self.bins)
+
+
+def test_pretraining_measures_grounding_and_pointing():
+    script = _pretrain_script()
+    reads, blind = _ScriptedTokens(True), _ScriptedTokens(False)
+    assert script.pointing_accuracy(reads) > 0.9
+    assert script.pointing_accuracy(blind) < 0.5                    # right only when target 0 is named
+    assert script.grounding(blind) == pytest.approx(0.0, abs=1e-6)
+    assert script.grounding(reads) > 5.0                             # another colour: another bin, ~30 nats
+    assert script.LOCATE not in script.TOKENS.values()
