@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,7 +325,8 @@ def test_deepcopy_while_a_value_is_pending(model):
 
 
 def _pretrain_script():
-    spec = importlib.util.spec_from_file_location("pretrain_vla_tokens_reach", "launch/pretrain_vla_tokens_reach.py")
+    path = Path(__file__).resolve().parents[1] / "launch" / "pretrain_vla_tokens_reach.py"
+    spec = importlib.util.spec_from_file_location("pretrain_vla_tokens_reach", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
