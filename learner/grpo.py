@@ -1,8 +1,18 @@
 """GRPO: critic-free policy optimisation with group-relative advantages, top to bottom.
 
 An actor's envs are split into groups of ``group_size`` consecutive envs that start from identical
-states. For every env the discounted return-to-go within the rollout is computed; at each step it
-is normalised against the envs of its group that are still running at that step. The update is
+states. Two baselines (``GRPOConfig.baseline``):
+
+- ``"step"``: for every env the discounted return-to-go within the rollout is computed; at each step
+  it is normalised against the envs of its group that are still running at that step. Suits dense
+  rewards, where returns-to-go at the same step compare like with like.
+- ``"episode"``: outcome-level, as in the GRPO papers and their VLA descendants (SimpleVLA-RL,
+  RL4VLA): each env's whole-episode return is normalised against its group's, and that one
+  advantage is given to every step of the episode. Suits a 0/1 success reward: under ``"step"`` a
+  failing env's steps after the last success in its group are compared only with other failures
+  and get no advantage at all, so a policy that stalls learns nothing about where it stalls.
+
+The update is
 PPO's clipped ratio on the behaviour log-prob, plus an optional KL penalty to a frozen reference
 policy (the initial weights: from scratch ``kl_coef = 0``, fine-tuning ~0.02).
 """
@@ -22,7 +32,8 @@ MASK = "mask"   # learner-side: which steps take part in the update
 
 @torch.no_grad()
 def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, gamma: float, eps: float,
-                    truncate_at_first_done: bool, scale_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    truncate_at_first_done: bool, scale_by_std: bool = True,
+                    baseline: str = "step", loss_mean: str = "step") -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantages.
 
     Args:
@@ -32,6 +43,14 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         eps: added to the within-group standard deviation.
         truncate_at_first_done: mask out every step after an env's first episode end.
         scale_by_std: divide the centred returns by the group's standard deviation (+ eps).
+        baseline: ``"step"`` (returns-to-go against the group's running envs at each step) or
+            ``"episode"`` (each env's return from step 0 to its first episode end, or to the end of
+            the rollout if none ends, against its group's; needs `truncate_at_first_done`).
+        loss_mean: ``"step"``: every unmasked step weighs the same in the loss (DAPO's token-level
+            mean). ``"episode"``: every env's steps weigh 1 / (its unmasked steps), rescaled so the
+            mean weight stays 1: each env weighs the same whatever its length (the original GRPO's
+            per-sequence mean). The weight is folded into the advantage, which the clipped
+            objective scales linearly.
 
     Returns:
         ``(advantage, mask)``, both ``[B, T]``; advantage is 0 where mask is False.
@@ -39,6 +58,13 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
     b, t_len = reward.shape
     if b % group_size:
         raise ValueError(f"grpo_advantages: {b} envs are not a multiple of group_size {group_size}")
+    if baseline not in ("step", "episode"):
+        raise ValueError(f"grpo_advantages: baseline={baseline!r} is not 'step' or 'episode'")
+    if loss_mean not in ("step", "episode"):
+        raise ValueError(f"grpo_advantages: loss_mean={loss_mean!r} is not 'step' or 'episode'")
+    if baseline == "episode" and not truncate_at_first_done:
+        raise ValueError("grpo_advantages: baseline='episode' needs truncate_at_first_done (an env's later "
+                         "episodes start from states its group does not share)")
     done = done.bool()
     ret = torch.empty_like(reward)
     running = torch.zeros_like(reward[:, 0])
@@ -50,15 +76,26 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         mask = ended_before == 0
     else:
         mask = torch.ones_like(done)
-    g = ret.view(b // group_size, group_size, t_len)
-    m = mask.view(b // group_size, group_size, t_len).to(ret.dtype)
+    if baseline == "episode":   # one outcome per env (ret[:, 0] stops at the first episode end)
+        ret = ret[:, :1].expand(b, t_len)
+        mask_for_stats = torch.zeros_like(mask)
+        mask_for_stats[:, 0] = True
+    else:
+        mask_for_stats = mask
+    g = ret.reshape(b // group_size, group_size, t_len)
+    m = mask_for_stats.view(b // group_size, group_size, t_len).to(ret.dtype)
     n = m.sum(1, keepdim=True).clamp(min=1.0)
     mean = (g * m).sum(1, keepdim=True) / n
     adv = g - mean
     if scale_by_std:
         std = (((g - mean) ** 2 * m).sum(1, keepdim=True) / n).sqrt()
         adv = adv / (std + eps)
-    adv = (adv * m).view(b, t_len)
+    if baseline == "episode":   # the step-0 statistics, given to every step the env takes part in
+        adv = adv[..., :1].expand_as(adv)
+    adv = (adv * mask.view_as(adv).to(ret.dtype)).reshape(b, t_len)
+    if loss_mean == "episode":
+        steps = mask.sum(1, keepdim=True).to(ret.dtype)          # >= 1: step 0 is always unmasked
+        adv = adv * (steps.sum() / b) / steps
     return adv, mask
 
 

@@ -439,6 +439,17 @@ class GRPOConfig(ClippedPGConfig):
     """Divide by the within-group standard deviation (the original GRPO). ``false`` keeps the
     mean-centred returns (Dr. GRPO, Liu et al. 2025): a group whose returns differ only by noise
     then gets small advantages instead of unit-scale ones; better when rewards are dense."""
+    baseline: Literal["step", "episode"] = "step"
+    """What an env's return is compared with (see ``learner/grpo.py``). ``"step"``: its return-to-go
+    against those of its group's envs still running at the same step. ``"episode"``: its whole-episode
+    return against its group's, one advantage for all its steps (outcome-level GRPO; the choice for a
+    0/1 success reward). ``"episode"`` needs ``truncate_at_first_done``."""
+    loss_mean: Literal["step", "episode"] = "step"
+    """How the loss averages. ``"step"``: every step weighs the same (DAPO's token-level mean).
+    ``"episode"``: every env's episode weighs the same whatever its length (the original GRPO's
+    per-sequence mean). With ``baseline: "episode"`` and a 0/1 success reward, failures run longer
+    than successes, so a step-level mean pushes down on sampled actions more than it pushes up and
+    entropy climbs; ``"episode"`` balances the two."""
     reset_every_rollout: bool = True
     """Reset every env at the start of each rollout (a new seed per group and per rollout)."""
     truncate_at_first_done: bool = True
@@ -585,6 +596,9 @@ def _check(cfg: Config) -> list[str]:
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
+    if grpo and alg.baseline == "episode" and not alg.truncate_at_first_done:
+        errors.append("algorithm.cfg.baseline: \"episode\" needs algorithm.cfg.truncate_at_first_done true "
+                      "(an env's later episodes start from states its group does not share)")
     if grpo and p.name == "actor_critic":
         errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
                       f"algorithm.name is \"grpo\")")

@@ -72,6 +72,59 @@ def test_without_truncation_returns_restart_after_episode_end():
     assert (adv[0] > 0).all() and (adv[1] < 0).all()
 
 
+def test_episode_baseline_gives_each_env_its_outcome_at_every_step():
+    # the group above: env 0 ends at t=0 (return 1), env 1 at t=1 (return 2), env 2 never (return 3)
+    reward = torch.tensor([[1.0, 5.0, 5.0], [1.0, 1.0, 5.0], [1.0, 1.0, 1.0]])
+    done = torch.tensor([[True, False, False], [False, True, False], [False, False, False]])
+    adv, mask = grpo_advantages(reward, done, group_size=3, gamma=1.0, eps=1e-8, truncate_at_first_done=True,
+                                baseline="episode")
+    assert mask.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(adv, torch.tensor([[-1 / s, 0.0, 0.0], [0.0, 0.0, 0.0], [1 / s, 1 / s, 1 / s]]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_episode_baseline_keeps_the_signal_on_a_failure_after_the_group_succeeded():
+    # 0/1 success reward, group of 2: env 0 succeeds at t=1, env 1 fails (runs to the end). Under
+    # "step" env 1's steps after t=1 are compared only with themselves (advantage 0); under
+    # "episode" every one of its steps is below the group's outcome.
+    reward = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    done = torch.tensor([[False, True, False, False], [False, False, False, True]])
+    step, _ = grpo_advantages(reward, done, 2, 1.0, 1e-8, True, baseline="step")
+    ep, mask = grpo_advantages(reward, done, 2, 1.0, 1e-8, True, baseline="episode")
+    assert step[1, 2:].abs().max() == 0
+    torch.testing.assert_close(ep[1], torch.full((4,), -1.0))
+    torch.testing.assert_close(ep[0], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, True]]
+    # discounting: the faster of two successes ranks above the slower one
+    fast_slow = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    ep, _ = grpo_advantages(fast_slow, fast_slow.bool(), 2, 0.9, 1e-8, True, baseline="episode")
+    assert ep[0, 0] > 0 > ep[1, 0]
+
+
+def test_episode_mean_weighs_every_env_equally():
+    # 0/1 success, group of 2: env 0 succeeds at t=0 (1 step), env 1 fails over 3 steps. Episode
+    # baseline: +1 / -1. Step-level mean: the failure's 3 steps outweigh the success's 1.
+    # Episode mean: weights 1/1 and 1/3, rescaled by (4 steps / 2 envs) = 2.
+    reward = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    done = torch.tensor([[True, False, False], [False, False, True]])
+    adv, mask = grpo_advantages(reward, done, 2, 1.0, 1e-8, True, baseline="episode", loss_mean="episode")
+    torch.testing.assert_close(adv, torch.tensor([[2.0, 0.0, 0.0], [-2 / 3, -2 / 3, -2 / 3]]))
+    assert adv[mask].sum().abs() < 1e-6                     # the group's pushes balance
+    assert adv[mask].abs().mean() == pytest.approx(1.0)     # the mean weight stays 1
+    with pytest.raises(ValueError, match="loss_mean"):
+        grpo_advantages(reward, done, 2, 1.0, 1e-8, True, loss_mean="token")
+
+
+def test_episode_baseline_needs_truncation_at_first_done():
+    with pytest.raises(ValueError, match="truncate_at_first_done"):
+        grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bool), 2, 0.9, 1e-8, False,
+                        baseline="episode")
+    with pytest.raises(ValueError, match="baseline"):
+        grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bool), 2, 0.9, 1e-8, True,
+                        baseline="trajectory")
+
+
 def test_group_size_must_divide_envs():
     with pytest.raises(ValueError, match="multiple of group_size"):
         grpo_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.bool), 2, 0.9, 1e-8, True)
@@ -176,6 +229,7 @@ def test_bad_combinations_name_file_and_keys(tmp_path):
     raw = json.loads(open("configs/cartpole_grpo.json").read())
     raw["actors"]["num_envs"] = 12
     raw["policy"]["name"] = "actor_critic"
+    raw["algorithm"]["cfg"].update(baseline="episode", truncate_at_first_done=False)
     path = tmp_path / "grpo_bad.json"
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as e:
@@ -183,6 +237,7 @@ def test_bad_combinations_name_file_and_keys(tmp_path):
     msg = str(e.value)
     assert "grpo_bad.json: actors.num_envs: 12 is not a multiple of algorithm.cfg.group_size (8)" in msg
     assert "grpo_bad.json: policy.name: GRPO is critic-free" in msg
+    assert "grpo_bad.json: algorithm.cfg.baseline: \"episode\" needs algorithm.cfg.truncate_at_first_done" in msg
     raw = json.loads(open("configs/cartpole_grpo.json").read())
     raw["algorithm"]["cfg"]["gae_lambda"] = 0.9                  # a PPO key under GRPO
     path.write_text(json.dumps(raw))
