@@ -62,9 +62,10 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         raise ValueError(f"grpo_advantages: baseline={baseline!r} is not 'step' or 'episode'")
     if loss_mean not in ("step", "episode"):
         raise ValueError(f"grpo_advantages: loss_mean={loss_mean!r} is not 'step' or 'episode'")
-    if baseline == "episode" and not truncate_at_first_done:
-        raise ValueError("grpo_advantages: baseline='episode' needs truncate_at_first_done (an env's later "
-                         "episodes start from states its group does not share)")
+    for name, value in (("baseline", baseline), ("loss_mean", loss_mean)):
+        if value == "episode" and not truncate_at_first_done:
+            raise ValueError(f"grpo_advantages: {name}='episode' needs truncate_at_first_done (an env's later "
+                             "episodes start from states its group does not share)")
     done = done.bool()
     ret = torch.empty_like(reward)
     running = torch.zeros_like(reward[:, 0])
@@ -94,7 +95,7 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         adv = adv[..., :1].expand_as(adv)
     adv = (adv * mask.view_as(adv).to(ret.dtype)).reshape(b, t_len)
     if loss_mean == "episode":
-        steps = mask.sum(1, keepdim=True).to(ret.dtype)          # >= 1: step 0 is always unmasked
+        steps = mask.sum(1, keepdim=True).float()          # >= 1: step 0 is always unmasked
         adv = adv * (steps.sum() / b) / steps
     return adv, mask
 

@@ -516,8 +516,8 @@ class Learner:
         self.policy.train()
         if self.grpo:
             adv, mask = grpo_advantages(flat[keys.REWARD], flat[keys.DONE], a.group_size, a.gamma, a.eps,
-                                        a.truncate_at_first_done, a.scale_by_std, a.baseline,
-                                        a.loss_mean)
+                                        a.truncate_at_first_done, a.scale_by_std,
+                                        baseline=a.baseline, loss_mean=a.loss_mean)
             flat.set(keys.ADVANTAGE, adv)
             flat.set(MASK, mask)
             stats = grpo_update(self._update_policy(), self.ref_policy, self.optimizer, flat, a, self.generator,

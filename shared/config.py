@@ -449,7 +449,7 @@ class GRPOConfig(ClippedPGConfig):
     ``"episode"``: every env's episode weighs the same whatever its length (the original GRPO's
     per-sequence mean). With ``baseline: "episode"`` and a 0/1 success reward, failures run longer
     than successes, so a step-level mean pushes down on sampled actions more than it pushes up and
-    entropy climbs; ``"episode"`` balances the two."""
+    entropy climbs; ``"episode"`` balances the two. ``"episode"`` needs ``truncate_at_first_done``."""
     reset_every_rollout: bool = True
     """Reset every env at the start of each rollout (a new seed per group and per rollout)."""
     truncate_at_first_done: bool = True
@@ -596,9 +596,10 @@ def _check(cfg: Config) -> list[str]:
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
-    if grpo and alg.baseline == "episode" and not alg.truncate_at_first_done:
-        errors.append("algorithm.cfg.baseline: \"episode\" needs algorithm.cfg.truncate_at_first_done true "
-                      "(an env's later episodes start from states its group does not share)")
+    for key in ("baseline", "loss_mean"):
+        if grpo and getattr(alg, key) == "episode" and not alg.truncate_at_first_done:
+            errors.append(f"algorithm.cfg.{key}: \"episode\" needs algorithm.cfg.truncate_at_first_done true "
+                          "(an env's later episodes start from states its group does not share)")
     if grpo and p.name == "actor_critic":
         errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
                       f"algorithm.name is \"grpo\")")

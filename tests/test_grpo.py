@@ -116,10 +116,28 @@ def test_episode_mean_weighs_every_env_equally():
         grpo_advantages(reward, done, 2, 1.0, 1e-8, True, loss_mean="token")
 
 
+def test_episode_options_keep_groups_apart():
+    # two groups of 2 with different outcomes: each is normalised on its own, and the episode mean
+    # weighs by each env's own length (steps: 1, 3 | 2, 3; 9 in all over 4 envs)
+    reward = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    done = torch.tensor([[True, False, False], [False, False, True], [False, True, False], [False, False, True]])
+    adv, mask = grpo_advantages(reward, done, 2, 1.0, 1e-8, True, baseline="episode", loss_mean="episode")
+    w = 9 / 4
+    expect = torch.tensor([[w, 0, 0], [-w / 3, -w / 3, -w / 3], [w / 2, w / 2, 0], [-w / 3, -w / 3, -w / 3]])
+    torch.testing.assert_close(adv, expect)
+    # the step baseline with the episode mean: the step advantages, each env weighed by 1 / its length
+    step, _ = grpo_advantages(reward, done, 2, 1.0, 1e-8, True)
+    both, _ = grpo_advantages(reward, done, 2, 1.0, 1e-8, True, loss_mean="episode")
+    torch.testing.assert_close(both, step * w / mask.sum(1, keepdim=True))
+
+
 def test_episode_baseline_needs_truncation_at_first_done():
     with pytest.raises(ValueError, match="truncate_at_first_done"):
         grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bool), 2, 0.9, 1e-8, False,
                         baseline="episode")
+    with pytest.raises(ValueError, match="loss_mean='episode' needs truncate_at_first_done"):
+        grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bool), 2, 0.9, 1e-8, False,
+                        loss_mean="episode")
     with pytest.raises(ValueError, match="baseline"):
         grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bool), 2, 0.9, 1e-8, True,
                         baseline="trajectory")
@@ -229,7 +247,7 @@ def test_bad_combinations_name_file_and_keys(tmp_path):
     raw = json.loads(open("configs/cartpole_grpo.json").read())
     raw["actors"]["num_envs"] = 12
     raw["policy"]["name"] = "actor_critic"
-    raw["algorithm"]["cfg"].update(baseline="episode", truncate_at_first_done=False)
+    raw["algorithm"]["cfg"].update(baseline="episode", loss_mean="episode", truncate_at_first_done=False)
     path = tmp_path / "grpo_bad.json"
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as e:
@@ -238,6 +256,7 @@ def test_bad_combinations_name_file_and_keys(tmp_path):
     assert "grpo_bad.json: actors.num_envs: 12 is not a multiple of algorithm.cfg.group_size (8)" in msg
     assert "grpo_bad.json: policy.name: GRPO is critic-free" in msg
     assert "grpo_bad.json: algorithm.cfg.baseline: \"episode\" needs algorithm.cfg.truncate_at_first_done" in msg
+    assert "grpo_bad.json: algorithm.cfg.loss_mean: \"episode\" needs algorithm.cfg.truncate_at_first_done" in msg
     raw = json.loads(open("configs/cartpole_grpo.json").read())
     raw["algorithm"]["cfg"]["gae_lambda"] = 0.9                  # a PPO key under GRPO
     path.write_text(json.dumps(raw))
