@@ -62,10 +62,11 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         raise ValueError(f"grpo_advantages: baseline={baseline!r} is not 'step' or 'episode'")
     if loss_mean not in ("step", "episode"):
         raise ValueError(f"grpo_advantages: loss_mean={loss_mean!r} is not 'step' or 'episode'")
+    why = {"baseline": "an env's later episodes start from states its group does not share",
+           "loss_mean": "without it every env has all the rollout's steps, and nothing to weigh by"}
     for name, value in (("baseline", baseline), ("loss_mean", loss_mean)):
         if value == "episode" and not truncate_at_first_done:
-            raise ValueError(f"grpo_advantages: {name}='episode' needs truncate_at_first_done (an env's later "
-                             "episodes start from states its group does not share)")
+            raise ValueError(f"grpo_advantages: {name}='episode' needs truncate_at_first_done ({why[name]})")
     done = done.bool()
     ret = torch.empty_like(reward)
     running = torch.zeros_like(reward[:, 0])

@@ -596,10 +596,12 @@ def _check(cfg: Config) -> list[str]:
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
+    why = {"baseline": "an env's later episodes start from states its group does not share",
+           "loss_mean": "without it every env has all the rollout's steps, and nothing to weigh by"}
     for key in ("baseline", "loss_mean"):
         if grpo and getattr(alg, key) == "episode" and not alg.truncate_at_first_done:
             errors.append(f"algorithm.cfg.{key}: \"episode\" needs algorithm.cfg.truncate_at_first_done true "
-                          "(an env's later episodes start from states its group does not share)")
+                          f"({why[key]})")
     if grpo and p.name == "actor_critic":
         errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
                       f"algorithm.name is \"grpo\")")
