@@ -25,7 +25,7 @@ from torch import nn
 
 from learner.minibatch import log_ratio as clamped_log_ratio, run_epochs
 from shared import keys
-from shared.config import GRPOConfig
+from shared.config import GRPO_EPISODE_NEEDS_TRUNCATION, GRPOConfig
 
 MASK = "mask"   # learner-side: which steps take part in the update
 
@@ -62,8 +62,7 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
         raise ValueError(f"grpo_advantages: baseline={baseline!r} is not 'step' or 'episode'")
     if loss_mean not in ("step", "episode"):
         raise ValueError(f"grpo_advantages: loss_mean={loss_mean!r} is not 'step' or 'episode'")
-    why = {"baseline": "an env's later episodes start from states its group does not share",
-           "loss_mean": "without it every env has all the rollout's steps, and nothing to weigh by"}
+    why = GRPO_EPISODE_NEEDS_TRUNCATION
     for name, value in (("baseline", baseline), ("loss_mean", loss_mean)):
         if value == "episode" and not truncate_at_first_done:
             raise ValueError(f"grpo_advantages: {name}='episode' needs truncate_at_first_done ({why[name]})")

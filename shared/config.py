@@ -456,6 +456,11 @@ class GRPOConfig(ClippedPGConfig):
     """An env contributes only up to its first episode end in the rollout."""
 
 
+GRPO_EPISODE_NEEDS_TRUNCATION = {
+    "baseline": "an env's later episodes start from states its group does not share",
+    "loss_mean": "without it every env has all the rollout's steps, and nothing to weigh by"}
+"""Why each GRPO option's "episode" value needs ``truncate_at_first_done`` (config check and learner)."""
+
 ALGORITHM_CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 
 
@@ -596,8 +601,7 @@ def _check(cfg: Config) -> list[str]:
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
-    why = {"baseline": "an env's later episodes start from states its group does not share",
-           "loss_mean": "without it every env has all the rollout's steps, and nothing to weigh by"}
+    why = GRPO_EPISODE_NEEDS_TRUNCATION
     for key in ("baseline", "loss_mean"):
         if grpo and getattr(alg, key) == "episode" and not alg.truncate_at_first_done:
             errors.append(f"algorithm.cfg.{key}: \"episode\" needs algorithm.cfg.truncate_at_first_done true "
