@@ -40,8 +40,9 @@ def actions_from_bins(bins, low=-1.0, high=1.0, n_bins=256):
 
 
 # ---------------------------------------------------------------------------- reference
-def reference_rows(model, obs, suffix, offset, n_bins, read_from):
-    """The prompt built by hand, the full HF model's logits, sliced to the bin block and log-softmaxed.
+def reference_rows(model, obs, suffix, offset, n_bins, read_from, temperature=1.0):
+    """The prompt built by hand, the full HF model's logits, sliced to the bin block, divided by the
+    temperature and log-softmaxed.
 
     Returns ``[N, len(suffix)..., n_bins]`` rows starting at position ``P + read_from``."""
     n = obs.batch_size[0]
@@ -56,16 +57,16 @@ def reference_rows(model, obs, suffix, offset, n_bins, read_from):
     types[:, p:] = 1
     pixels = (obs["rgb"].permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
     logits = model(input_ids=ids, attention_mask=mask, pixel_values=pixels, token_type_ids=types).logits
-    block = logits[..., offset:offset + n_bins].float().log_softmax(-1)
+    block = (logits[..., offset:offset + n_bins].float() / temperature).log_softmax(-1)
     return block[:, p + read_from:p + read_from + 2]
 
 
-def reference(model, obs, bins, mode, offset=256, n_bins=256):
+def reference(model, obs, bins, mode, offset=256, n_bins=256, temperature=1.0):
     """(log_prob [N], entropy [N]) of ``bins`` [N, 2] computed from raw logits."""
     if mode == "parallel":     # placeholders after [sep]; the logits at the placeholders
-        rows = reference_rows(model, obs, torch.full_like(bins, PAD), offset, n_bins, 0)
+        rows = reference_rows(model, obs, torch.full_like(bins, PAD), offset, n_bins, 0, temperature)
     else:                      # the chosen bins teacher-forced; position t predicts bin t + 1
-        rows = reference_rows(model, obs, bins[:, :-1] + offset, offset, n_bins, -1)
+        rows = reference_rows(model, obs, bins[:, :-1] + offset, offset, n_bins, -1, temperature)
     logp = rows.gather(-1, bins.unsqueeze(-1)).squeeze(-1).sum(-1)
     ent = -(rows.exp() * rows).sum(-1).sum(-1)
     return logp, ent, rows
@@ -114,6 +115,28 @@ def test_log_prob_and_entropy_match_raw_logits(model, mode):
     assert logp.shape == ent.shape == (3,) and logp.dtype == ent.dtype == torch.float32
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_tempers_log_prob_entropy_and_samples_but_not_the_argmax(model, mode, temperature):
+    cold, plain = ActionTokenPolicy(model, 2, decoding=mode, temperature=temperature), ActionTokenPolicy(model, 2,
+                                                                                                      decoding=mode)
+    obs = reach_obs()
+    bins = torch.randint(0, 256, (3, 2), generator=torch.Generator().manual_seed(1))
+    dist = cold.action_dist(obs)
+    logp, ent = dist.log_prob(actions_from_bins(bins)), dist.entropy()
+    ref_logp, ref_ent, _ = reference(model, obs, bins, mode, temperature=temperature)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    assert not torch.allclose(logp, plain.action_dist(obs).log_prob(actions_from_bins(bins)), atol=1e-3)
+    assert torch.equal(cold.deterministic_action(cold.action_dist(obs)),
+                       plain.deterministic_action(plain.action_dist(obs)))
+    # a sampled action's log-prob, from the decoding pass itself, is the tempered one
+    dist = cold.action_dist(obs)
+    action = dist.sample()
+    torch.testing.assert_close(dist.log_prob(action), reference(model, obs, cold.bins.to_bins(action), mode,
+                                                                temperature=temperature)[0], atol=1e-5, rtol=0)
 
 
 def test_autoregressive_kv_cache_sampling_matches_teacher_forcing(model):
@@ -286,6 +309,8 @@ def test_images_are_resized_to_the_vision_tower(model):
     (dict(sep_token_id=300), r"sep_token_id=300 lies in the bin-token block \[256, 512\).*reserve_tail"),
     (dict(reserve_tail=1), r"image_token_id=255 lies in the bin-token block \[255, 511\)"),
     (dict(n_bins=8, placeholder_token_id=600), r"placeholder_token_id=600 is outside the vocabulary of 512"),
+    (dict(temperature=0.0), r"temperature=0.0 must be a finite number > 0"),
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number > 0"),
 ])
 def test_bad_settings_name_the_fix(model, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -230,6 +230,11 @@ class ActionTokenPolicy(nn.Module):
         placeholder_token_id: fills the action positions in parallel mode; default the pad id.
         instruction_pad_id: instruction ids masked out of attention (None: mask nothing).
         proprio_bounds: ``(low, high)`` for tokenising ``proprio``; None ignores it.
+        temperature: the bin logits are divided by it before the log-softmax, so sampling, log-probs,
+            entropy (and the learner's ratios and KL) all use the same tempered distribution; the
+            argmax, and so deterministic evaluation, is unchanged. Below 1 the acting policy is closer
+            to the greedy one that is evaluated: a policy whose samples succeed but whose argmax
+            loops is then trained on its loops (``configs/vla_tokens_reach_grpo.json``).
     Raises:
         ValueError: every inconsistent setting at once (unknown decoding, a block outside the
             vocabulary, a special token inside the block, ...), each with the fix.
@@ -245,7 +250,8 @@ class ActionTokenPolicy(nn.Module):
                  image_mean: Sequence[float] = (0.5, 0.5, 0.5), image_std: Sequence[float] = (0.5, 0.5, 0.5),
                  image_size: int | None = None, bos_token_id: int | None = None,
                  sep_token_id: int = GEMMA_NEWLINE_ID, placeholder_token_id: int | None = None,
-                 instruction_pad_id: int | None = 0, proprio_bounds: Sequence[float] | None = (-1.0, 1.0)):
+                 instruction_pad_id: int | None = 0, proprio_bounds: Sequence[float] | None = (-1.0, 1.0),
+                 temperature: float = 1.0):
         super().__init__()
         self.model = model
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -264,6 +270,7 @@ class ActionTokenPolicy(nn.Module):
             else placeholder_token_id
         self.instruction_pad_id = instruction_pad_id
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
+        self.temperature = temperature
 
         # A vision-language model: the image enters as n_img copies of the image token, which the
         # model replaces with the vision tower's projected patches (PaliGemma's get_placeholder_mask).
@@ -293,6 +300,8 @@ class ActionTokenPolicy(nn.Module):
                               f"{self.token_offset + n_bins}): set reserve_tail or token_offset to move the block")
             elif tok is not None and not 0 <= tok < vocab and name != "image_token_id":
                 errors.append(f"{name}={tok} is outside the vocabulary of {vocab}")
+        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 < temperature < float("inf")):
+            errors.append(f"temperature={temperature!r} must be a finite number > 0 (1: the model's own logits)")
         if proprio_bounds is not None and len(proprio_bounds) != 2:
             errors.append(f"proprio_bounds={proprio_bounds!r} must be (low, high) or None")
         if errors:
@@ -394,6 +403,8 @@ class ActionTokenPolicy(nn.Module):
                               None if head.bias is None else head.bias[block].float())
         if self.softcap is not None:   # Gemma 2's final-logit soft-capping, as the LM head applies it
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         return logits.log_softmax(-1)
 
     def _value_from(self, h_sep: torch.Tensor, batch: torch.Size) -> torch.Tensor:
