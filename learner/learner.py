@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -48,6 +48,7 @@ from shared.shm_weights import ShmWeightsWriter, default_path
 if TYPE_CHECKING:
     from learner.distributed import Ranks
 from shared.config import Config
+from shared.console import say
 from shared.envs import EnvSpec, make_env
 from shared.metrics import clean_metrics, mean_metrics
 from shared.policies import (frozen_digest, has_critic, load_weights_, make_policy, published_state,
@@ -204,7 +205,7 @@ class Learner:
         self.env_steps_trained = 0
         self.updates = 0
         self.counts = {"rollouts": 0, "dropped_lag": 0, "overwritten": 0, "dropped_other": 0, "malformed": 0,
-                       "rejected": 0, "skipped_steps": 0, "failed_updates": 0}
+                       "rejected": 0, "skipped_steps": 0, "failed_updates": 0, "updates_cut_short": 0}
         # Where the time goes, in seconds over the run: the updates' wall and CPU time (every thread of
         # this process while it updates), and what the actors report of their collection (wall, and
         # the CPU time of the thread that steps the envs and runs the policy).
@@ -238,6 +239,9 @@ class Learner:
         self.last_eval: dict | None = None
         self.start_time = time.time()
         self.accepting = True          # False once the run's env steps are all in (LearnerRun._drain)
+        # Asked between minibatches: True (a stop signal; LearnerRun sets it) cuts the update short, so
+        # that a long update does not hold up shutdown. One rank only: DDP ranks take the same steps.
+        self.stop_requested: Callable[[], bool] | None = None
         self.first_rollout_time: float | None = None   # wall clock of the first and last rollout received
         self.last_rollout_time: float | None = None
         self._wait_s = 0.0
@@ -514,6 +518,7 @@ class Learner:
             for g in self.optimizer.param_groups:
                 g["lr"] = a.learning_rate * frac
         self.policy.train()
+        should_stop = self.stop_requested if self.ranks is None else None
         if self.grpo:
             adv, mask = grpo_advantages(flat[keys.REWARD], flat[keys.DONE], a.group_size, a.gamma, a.eps,
                                         a.truncate_at_first_done, a.scale_by_std,
@@ -521,7 +526,7 @@ class Learner:
             flat.set(keys.ADVANTAGE, adv)
             flat.set(MASK, mask)
             stats = grpo_update(self._update_policy(), self.ref_policy, self.optimizer, flat, a, self.generator,
-                                sync_mean=self._sync_mean)
+                                sync_mean=self._sync_mean, should_stop=should_stop)
         else:
             reward = flat[keys.REWARD]
             if self.reward_scaler is not None:
@@ -529,9 +534,15 @@ class Learner:
             correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
             stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma,
-                               critic_thread=self.critic_thread, critic_when=self.critic_when)
+                               critic_thread=self.critic_thread, critic_when=self.critic_when,
+                               should_stop=should_stop)
             stats.update(correction_stats)
         self._note_skips(stats)
+        if stats.get("stopped"):
+            with self._lock:
+                self.counts["updates_cut_short"] += 1
+            say(f"[learner] stop requested: update {self.updates + 1} cut short after {int(stats['steps'])} "
+                f"optimiser steps ({int(stats['epochs'])} of {a.n_epochs} epochs begun)")
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.
         self.policy.update_normalizer(flat[keys.OBS], all_reduce=self.ranks.all_reduce_sum if self.ranks else None)

@@ -41,7 +41,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
                after_step: Callable[[], None] | None = None,
                side_loss: tuple[Executor, LossFn] | None = None,
-               side_when: Callable[[], bool] | None = None) -> dict[str, float]:
+               side_when: Callable[[], bool] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -60,17 +61,26 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     loss runs on this thread instead, after `loss_fn`'s backward (the same gradients, bit for bit).
     With `side_loss`, the result has ``side_share``: the share of minibatches whose side loss ran
     on the executor's thread.
+
+    `should_stop`: asked after every minibatch; True ends the update there (``stopped`` 1 in the
+    result), so that a stop signal is not held up by the rest of a long update. The steps already
+    taken stand, like an early stop on `target_kl` mid-epoch: no sample is used more often than in
+    a full update. Never with several ranks: every rank must take the same steps.
     """
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
     params = [p for p in policy.parameters() if p.requires_grad]
     sums: dict[str, torch.Tensor] = {}   # kept on the device: no host sync per minibatch
     count = epochs = skipped = minibatches = on_side = 0
+    stopped = False
     for _ in range(n_epochs):
         epochs += 1
         perm = torch.randperm(n, generator=generator).to(device)
         epoch_kl = []
         for start in range(0, n, batch_size):
+            if should_stop is not None and minibatches and should_stop():
+                stopped = True
+                break
             idx = perm[start:start + batch_size]
             # Index plain tensors: TensorDict indexing per minibatch costs more than a small MLP step.
             mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
@@ -103,6 +113,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
             epoch_kl.append(out["approx_kl"])
             count += 1
+        if stopped:
+            break
         if target_kl is not None and epoch_kl:
             kl = torch.stack(epoch_kl).mean()
             if sync_mean is not None:      # several learner ranks stop together, on the mean over ranks
@@ -110,7 +122,7 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             if float(kl) > target_kl:
                 break
     result = {k: float(v) / max(count, 1) for k, v in sums.items()}
-    result.update(epochs=epochs, steps=count, skipped_steps=skipped)
+    result.update(epochs=epochs, steps=count, skipped_steps=skipped, stopped=int(stopped))
     if side_loss is not None:
         result["side_share"] = on_side / max(minibatches, 1)
     return result

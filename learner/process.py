@@ -116,6 +116,7 @@ class LearnerRun:
         self.learner = Learner(cfg, self.run_dir, self.publisher, resume=resume, logger=self.logger,
                                discard=discard, ranks=self.ranks)
         self.learner.curve = self.curve
+        self.learner.stop_requested = self.stop.is_set   # a signal cuts a long update short
         self._bind_receivers()
         self._write_endpoints()
         ranks = self.ranks

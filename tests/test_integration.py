@@ -432,6 +432,45 @@ def test_sigterm_stops_everything(tmp_path):
     assert "SIGTERM" in (tmp_path / "launch.out").read_text()
 
 
+def test_sigterm_during_a_long_update_stops_in_time(tmp_path):
+    """An update far longer than the launcher's 10 s grace (a big model's PPO or GRPO update) is cut
+    short between minibatches: the run stops in time, saves the cut update's weights as a version
+    and counts it, instead of being SIGKILLed with its next data lost."""
+    run_dir = tmp_path / "run"
+    versions_path = run_dir / "versions.jsonl"
+
+    def first_consume() -> bool:
+        try:
+            return '"event":"consume"' in versions_path.read_text()
+        except OSError:
+            return False
+
+    # 200,000 epochs of two minibatches: minutes for one update, were it not cut short
+    run = launch(tmp_path, run_dir, "--actors", "1", "--steps", "10000000", "--set", "algorithm.cfg.n_epochs=200000",
+                 "--set", "trainer.eval_freq=0")
+    try:
+        assert run.wait(120, until=first_consume) is None, f"the run ended early:\n{run.output()}"
+        time.sleep(1.0)                       # well inside the first update
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        try:
+            rc = run.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launcher still running 15 s after SIGTERM:\n{run.output()}")
+        stop_s = time.monotonic() - t0
+        assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{run.output()}"
+        run.assert_all_gone(run_dir, timeout_s=5)
+    finally:
+        run.stop()
+
+    out = (tmp_path / "launch.out").read_text(errors="replace")
+    assert stop_s < 10 and "did not stop in time" not in out, out
+    assert "update 1 cut short" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates_cut_short"] == 1 and summary["stopped_by"] == "SIGTERM", summary
+    assert summary["version"] == 1 and load_ckpt(newest_checkpoint(run_dir))["version"] == 1, summary
+
+
 @pytest.mark.slow
 def test_resume_continues_version(tmp_path):
     run_dir = tmp_path / "run"

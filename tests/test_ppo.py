@@ -85,6 +85,35 @@ def test_target_kl_stops_epochs_early():
     assert stats["epochs"] == 1
 
 
+def test_stop_request_cuts_the_update_short_between_minibatches():
+    """A stop signal during a long update: the steps already taken stand, the rest are not taken,
+    and no sample is seen more often than its epochs allow (issue: a SIGINT during a 7 s GRPO
+    update outlived the launcher's 10 s grace)."""
+    n = 10
+    asked = []
+
+    def stop_on_fifth_ask() -> bool:
+        asked.append(1)
+        return len(asked) >= 5
+
+    policy = FixedPolicy(torch.zeros(n), torch.zeros(n), torch.zeros(n))
+    cfg = PPOConfig(n_epochs=3, batch_size=4, learning_rate=1e-3)
+    stats = ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=0.0),
+                       batch([0.0] * n, [1.0] * n, [0.0] * n, [0.0] * n), cfg, torch.Generator().manual_seed(0),
+                       should_stop=stop_on_fifth_ask)
+    # asked before every minibatch but the first: minibatches 2..6 -> the 6th is never taken
+    assert len(policy.seen) == 5 and stats["steps"] == 5
+    assert stats["stopped"] == 1 and stats["epochs"] == 2
+    assert torch.equal(torch.cat(policy.seen[:3]).long().sort().values, torch.arange(n))   # epoch 1 whole
+    assert len(torch.cat(policy.seen[3:]).long().unique()) == 8                             # epoch 2: 8 distinct
+
+    never = FixedPolicy(torch.zeros(n), torch.zeros(n), torch.zeros(n))
+    stats = ppo_update(never, torch.optim.SGD(never.parameters(), lr=0.0),
+                       batch([0.0] * n, [1.0] * n, [0.0] * n, [0.0] * n), cfg, torch.Generator().manual_seed(0),
+                       should_stop=lambda: False)
+    assert stats["stopped"] == 0 and stats["epochs"] == 3 and len(never.seen) == 9
+
+
 def _actor_critic_batch(n: int, seed: int, with_mask: bool):
     from shared.config import load_config
     from shared.envs.base import ActionSpec, EnvSpec
