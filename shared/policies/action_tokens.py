@@ -233,8 +233,9 @@ class ActionTokenPolicy(nn.Module):
         temperature: the bin logits are divided by it before the log-softmax, so sampling, log-probs,
             entropy (and the learner's ratios and KL) all use the same tempered distribution; the
             argmax, and so deterministic evaluation, is unchanged. Below 1 the acting policy is closer
-            to the greedy one that is evaluated: a policy whose samples succeed but whose argmax
-            loops is then trained on its loops (``configs/vla_tokens_reach_grpo.json``).
+            to the greedy one that is evaluated; above 1 it explores more (SimpleVLA-RL samples
+            rollouts hot). On Reach GRPO, 0.5 did not close the gap between sampled and greedy
+            success: 64% greedy at 400k against 75% at 1 (README, Reach token table).
     Raises:
         ValueError: every inconsistent setting at once (unknown decoding, a block outside the
             vocabulary, a special token inside the block, ...), each with the fix.
