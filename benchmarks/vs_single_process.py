@@ -33,7 +33,8 @@ Printed per run and as medians over the seeds, next to the first variant in ``--
   final evaluation and shutdown).
 - ``return`` -- the deterministic evaluation of the final weights over ``trainer.num_eval_episodes``
   episodes (Tandem: its evaluator; plain: the same function and seed; sb3: its policy on
-  ``VecNormalize`` statistics frozen at the end).
+  ``VecNormalize`` statistics frozen at the end). Every variant evaluates only then: Tandem runs with
+  ``trainer.eval_freq=0``, so that its evaluator does no work during training that the others skip.
 - ``ideal s`` -- the shortest wall time this machine could do the work in: the CPU seconds of
   collection (``num_envs`` envs per process, one thread, as an actor does) and of the updates (one
   thread), measured in a calibration process at the start, divided by the usable cores.
@@ -65,8 +66,11 @@ DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 VARIANTS = ("standard", "overlap", "overlap_idle", "plain", "sb3")
 _OVERLAP = ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1", "actors.nice=10",
             "actors.weights_at=rollout"]
-TANDEM_SETS = {"standard": ["trainer.buffer_type=standard"], "overlap": _OVERLAP,
-               "overlap_idle": [*_OVERLAP, "learner.critic_thread=idle"]}
+# Every variant evaluates once, at the end, as sb3 and plain do: Tandem's periodic evaluations (a
+# child process stepping its own envs while the run trains) would be work the others do not do.
+_EVAL_AT_END = ["trainer.eval_freq=0"]
+TANDEM_SETS = {"standard": [*_EVAL_AT_END, "trainer.buffer_type=standard"], "overlap": [*_EVAL_AT_END, *_OVERLAP],
+               "overlap_idle": [*_EVAL_AT_END, *_OVERLAP, "learner.critic_thread=idle"]}
 STOP_S = 10.0
 
 
