@@ -15,6 +15,8 @@ In one sitting, for every seed in turn, every variant trains the config to the s
   compete for a core.
 - ``overlap_idle`` -- ``overlap`` with ``learner.critic_thread=idle``: while the next rollouts already
   wait (the actors have nothing to do), each minibatch's value loss runs on a second thread.
+- ``overlap_threads`` -- ``overlap`` with ``learner.torch_threads=idle``: while the next rollouts
+  already wait, each minibatch runs with every core as torch intra-op threads instead.
 - ``plain`` -- a single-process loop built from Tandem's own pieces (one :class:`Collector` stepping
   every env, ``num_actors x num_envs``; the same :class:`Learner` update), run synchronously in a
   fresh interpreter with torch's default threads: the same algorithm, without processes.
@@ -63,14 +65,15 @@ from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_sig
                      tail)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
-VARIANTS = ("standard", "overlap", "overlap_idle", "plain", "sb3")
+VARIANTS = ("standard", "overlap", "overlap_idle", "overlap_threads", "plain", "sb3")
 _OVERLAP = ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1", "actors.nice=10",
             "actors.weights_at=rollout"]
 # Every variant evaluates once, at the end, as sb3 and plain do: Tandem's periodic evaluations (a
 # child process stepping its own envs while the run trains) would be work the others do not do.
 _EVAL_AT_END = ["trainer.eval_freq=0"]
 TANDEM_SETS = {"standard": [*_EVAL_AT_END, "trainer.buffer_type=standard"], "overlap": [*_EVAL_AT_END, *_OVERLAP],
-               "overlap_idle": [*_EVAL_AT_END, *_OVERLAP, "learner.critic_thread=idle"]}
+               "overlap_idle": [*_EVAL_AT_END, *_OVERLAP, "learner.critic_thread=idle"],
+               "overlap_threads": [*_EVAL_AT_END, *_OVERLAP, "learner.torch_threads=idle"]}
 STOP_S = 10.0
 
 

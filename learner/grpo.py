@@ -122,9 +122,10 @@ def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[st
 
 def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torch.optim.Optimizer,
                 batch: TensorDictBase, cfg: GRPOConfig, generator: torch.Generator,
-                sync_mean=None, should_stop=None) -> dict[str, float]:
+                sync_mean=None, should_stop=None, before_minibatch=None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over the unmasked steps of `batch` (``[B, T]``
-    with ``advantage`` and ``mask``). `should_stop`: see :func:`learner.minibatch.run_epochs`."""
+    with ``advantage`` and ``mask``). `should_stop`, `before_minibatch`: see
+    :func:`learner.minibatch.run_epochs`."""
     b = batch.reshape(-1)
     keep = b[MASK].nonzero().squeeze(-1)
     fields = {k: b.get(k)[keep] for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.ADVANTAGE)}
@@ -134,6 +135,6 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
             fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
     result = run_epochs(policy, optimizer, fields, lambda mb: grpo_loss(policy, mb, cfg), cfg.n_epochs,
                         cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean,
-                        should_stop=should_stop)
+                        should_stop=should_stop, before_minibatch=before_minibatch)
     result["samples"] = n
     return result

@@ -85,23 +85,41 @@ def learner_threads(cfg: Config) -> int:
     one per actor in vla mode (they collect while the learner trains; in standard mode they wait for
     every update), shared among the learner ranks on this host (torchrun's LOCAL_WORLD_SIZE); at least 1."""
     threads = cfg.learner.torch_threads
+    if threads == "idle":
+        return 1                     # raised per minibatch while the actors idle: idle_threads()
     if threads != "auto":
         return int(threads)
+    return max(1, _cores_left_to_learner(cfg) // _local_ranks())
+
+
+def idle_threads(cfg: Config) -> int | None:
+    """``learner.torch_threads`` "idle": the intra-op threads for a minibatch taken while the actors
+    have nothing to collect (every core this process may use, shared among the local learner ranks);
+    None for any other setting."""
+    if cfg.learner.torch_threads != "idle":
+        return None
+    return max(1, _usable_cores() // _local_ranks())
+
+
+def _local_ranks() -> int:
+    """Learner ranks on this host (torchrun's LOCAL_WORLD_SIZE), at least 1."""
     try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
-        ranks = 1
-    return max(1, _cores_left_to_learner(cfg) // ranks)
+        return 1
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:           # not on Linux
+        return os.cpu_count() or 1
 
 
 def _cores_left_to_learner(cfg: Config) -> int:
     """The cores this process may use, less one per actor in vla mode (they collect while the
     learner trains; in standard mode they wait for every update)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:           # not on Linux
-        cores = os.cpu_count() or 1
-    return cores - (0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors)
+    return _usable_cores() - (0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors)
 
 
 def uses_critic_thread(cfg: Config, policy: torch.nn.Module, ranks=None) -> bool:
@@ -182,6 +200,10 @@ class Learner:
         self.critic_when = None
         if self.critic_thread is not None and cfg.learner.critic_thread == "idle" and not self.standard:
             self.critic_when = lambda: len(self.buffer) >= self.k
+        # learner.torch_threads "idle": more intra-op threads for the minibatches taken while the
+        # next batch already waits (the actors idle; in standard mode they always do)
+        self.idle_threads = idle_threads(cfg)
+        self._minibatches = self._wide_minibatches = 0
         # GRPO's KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
         self.ref_policy = None
         if self.grpo and self.algo.kl_coef > 0:
@@ -492,6 +514,17 @@ class Learner:
                     "rho_clipped_frac": float((rho > rho_bar).float().mean())})
         return out, False
 
+    def _widen_when_idle(self) -> None:
+        """Before each minibatch (``learner.torch_threads`` "idle"): every usable core while the next
+        batch already waits in the buffer, else one thread. Switching costs ~2 ms, so only a change
+        of state switches."""
+        wide = self.standard or len(self.buffer) >= self.k
+        threads = self.idle_threads if wide else 1
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self._minibatches += 1
+        self._wide_minibatches += wide
+
     def update_once(self, data: TensorDictBase, infos: list[dict], reward_std: float | None = None
                     ) -> dict[str, float]:
         """One update on `k` rollouts ``[k, N, T]``; bumps the version and publishes.
@@ -519,24 +552,32 @@ class Learner:
                 g["lr"] = a.learning_rate * frac
         self.policy.train()
         should_stop = self.stop_requested if self.ranks is None else None
-        if self.grpo:
-            adv, mask = grpo_advantages(flat[keys.REWARD], flat[keys.DONE], a.group_size, a.gamma, a.eps,
-                                        a.truncate_at_first_done, a.scale_by_std,
-                                        baseline=a.baseline, loss_mean=a.loss_mean)
-            flat.set(keys.ADVANTAGE, adv)
-            flat.set(MASK, mask)
-            stats = grpo_update(self._update_policy(), self.ref_policy, self.optimizer, flat, a, self.generator,
-                                sync_mean=self._sync_mean, should_stop=should_stop)
-        else:
-            reward = flat[keys.REWARD]
-            if self.reward_scaler is not None:
-                reward = self.reward_scaler.scale_by(reward, reward_std)
-            correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
-            stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
-                               sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma,
-                               critic_thread=self.critic_thread, critic_when=self.critic_when,
-                               should_stop=should_stop)
-            stats.update(correction_stats)
+        widen = self._widen_when_idle if self.idle_threads is not None else None
+        self._minibatches = self._wide_minibatches = 0
+        try:
+            if self.grpo:
+                adv, mask = grpo_advantages(flat[keys.REWARD], flat[keys.DONE], a.group_size, a.gamma, a.eps,
+                                            a.truncate_at_first_done, a.scale_by_std,
+                                            baseline=a.baseline, loss_mean=a.loss_mean)
+                flat.set(keys.ADVANTAGE, adv)
+                flat.set(MASK, mask)
+                stats = grpo_update(self._update_policy(), self.ref_policy, self.optimizer, flat, a, self.generator,
+                                    sync_mean=self._sync_mean, should_stop=should_stop, before_minibatch=widen)
+            else:
+                reward = flat[keys.REWARD]
+                if self.reward_scaler is not None:
+                    reward = self.reward_scaler.scale_by(reward, reward_std)
+                correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
+                stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
+                                   sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma,
+                                   critic_thread=self.critic_thread, critic_when=self.critic_when,
+                                   should_stop=should_stop, before_minibatch=widen)
+                stats.update(correction_stats)
+        finally:
+            if widen is not None and torch.get_num_threads() != 1:
+                torch.set_num_threads(1)     # back to one: the actors may collect again
+        if widen is not None:
+            stats["idle_threads_share"] = self._wide_minibatches / max(self._minibatches, 1)
         self._note_skips(stats)
         if stats.get("stopped"):
             with self._lock:
@@ -604,6 +645,8 @@ class Learner:
         values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         if "side_share" in stats:   # learner.critic_thread: the share of value losses run on its thread
             values["train/critic_thread_share"] = stats["side_share"]
+        if "idle_threads_share" in stats:   # learner.torch_threads "idle": the share run on every core
+            values["train/idle_threads_share"] = stats["idle_threads_share"]
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
         values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None
         values["train/updates"] = self.updates

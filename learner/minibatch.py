@@ -42,7 +42,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                after_step: Callable[[], None] | None = None,
                side_loss: tuple[Executor, LossFn] | None = None,
                side_when: Callable[[], bool] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
+               should_stop: Callable[[], bool] | None = None,
+               before_minibatch: Callable[[], None] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -66,6 +67,9 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     result), so that a stop signal is not held up by the rest of a long update. The steps already
     taken stand, like an early stop on `target_kl` mid-epoch: no sample is used more often than in
     a full update. Never with several ranks: every rank must take the same steps.
+
+    `before_minibatch`: called before each minibatch's forward pass (the learner sets its intra-op
+    threads there: ``learner.torch_threads`` "idle").
     """
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
@@ -85,6 +89,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
             # Index plain tensors: TensorDict indexing per minibatch costs more than a small MLP step.
             mb = TensorDict({k: v[idx] for k, v in fields.items()}, batch_size=[idx.numel()])
             optimizer.zero_grad(set_to_none=True)
+            if before_minibatch is not None:
+                before_minibatch()
             minibatches += 1
             threaded = side_loss is not None and (side_when is None or side_when())
             side = side_loss[0].submit(_backward, side_loss[1], mb) if threaded else None

@@ -107,7 +107,8 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
                generator: torch.Generator, sync_mean=None, renormalize: bool = True,
                proximal: EWMAProximal | None = None, critic_thread: Executor | None = None,
                critic_when: Callable[[], bool] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
+               should_stop: Callable[[], bool] | None = None,
+               before_minibatch: Callable[[], None] | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
@@ -117,8 +118,8 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     each minibatch's value loss is computed and back-propagated on that thread while this one does
     the policy loss; the gradients, and so the update, are the same as without it. `critic_when`:
     asked before each minibatch; where it says False that minibatch's value loss runs on this thread
-    (``side_share`` in the result: the share that ran on `critic_thread`). `should_stop`: see
-    :func:`learner.minibatch.run_epochs`.
+    (``side_share`` in the result: the share that ran on `critic_thread`). `should_stop`,
+    `before_minibatch`: see :func:`learner.minibatch.run_epochs`.
     """
     b = batch.reshape(-1)
     fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
@@ -132,7 +133,7 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
                         cfg.target_kl, generator, sync_mean,
                         after_step=proximal.step if proximal is not None else None, side_loss=side,
-                        side_when=critic_when, should_stop=should_stop)
+                        side_when=critic_when, should_stop=should_stop, before_minibatch=before_minibatch)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

@@ -205,14 +205,20 @@ class LearnerConfig:
     rollout_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """TCP port for rollouts (0: pick a free one; endpoints.json tells actors)."""
     weights_port: Annotated[int, Range(ge=0, le=65535)] = 0
-    torch_threads: Union[Annotated[int, Range(ge=1)], Literal["auto"]] = 1
+    torch_threads: Union[Annotated[int, Range(ge=1)], Literal["auto", "idle"]] = 1
     """Intra-op threads for the update. auto: the cores this process may use, less those busy
     collecting while it trains: all of them in standard mode (the actors wait for every update),
     and one per actor fewer in vla mode (the actors collect meanwhile; at least one), shared among
     the learner ranks on this host. That counts the actors as local (launch/run_local.sh); with
-    actors on other hosts, give the number. The default is 1: for MLPs of a few hundred units more
-    threads do not pay (HalfCheetah's 256x256 update on two cores: 2.0 s with 2 threads against
-    1.3 s with 1; benchmarks/README.md). Larger models on many cores want auto or a number."""
+    actors on other hosts, give the number. idle: one thread, raised to every core this process may
+    use (shared among the local learner ranks) for the minibatches taken while the actors have
+    nothing to collect, i.e. while the next batch already waits in the buffer (always in standard
+    mode), so the update takes the other cores only when collection leaves them idle; it excludes
+    critic_thread. More threads may sum in another order, so the update is not the same to the bit.
+    The default is 1: for MLPs of a few hundred units more threads pay on some CPUs and not on
+    others (HalfCheetah's 256x256 update on two cores: 2.0 s with 2 threads against 1.3 s with 1 on
+    an AMD EPYC VM; 0.50 s against 0.63 s on an Intel Xeon VM; benchmarks/README.md). Larger models
+    on many cores want auto or a number."""
     critic_thread: Union[bool, Literal["auto", "idle"]] = False
     """PPO with policy.name "actor_critic" on one learner rank: each minibatch's value loss and its
     backward run on a second thread while the first does the policy loss. The actor and the critic
@@ -672,6 +678,9 @@ def _check(cfg: Config) -> list[str]:
         if why:
             errors.append(f"learner.critic_thread: true needs PPO with policy.name \"actor_critic\" on one "
                           f"learner rank, but {why}; use false, \"auto\" or \"idle\"")
+    if le.torch_threads == "idle" and le.critic_thread is not False:
+        errors.append(f"learner.torch_threads: \"idle\" and learner.critic_thread {le.critic_thread!r} would "
+                      f"both take the idle cores: set critic_thread false, or torch_threads to a number")
     if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
         errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
                       f"{a.sync_every} asks to hold weights for several rollouts: choose one")

@@ -536,3 +536,62 @@ def test_critic_thread_true_where_it_cannot_apply_is_a_config_error(patch, why):
     raw["learner"]["critic_thread"] = "yes"
     with pytest.raises(ConfigError, match=r"learner\.critic_thread"):
         config_from_dict(raw, source="t.json")
+
+
+def test_torch_threads_idle_widens_only_the_minibatches_taken_while_the_next_batch_waits(monkeypatch):
+    """"idle": one intra-op thread, every usable core for a minibatch only while a whole next batch is
+    in the buffer (the actors wait for the learner), back to one after the update; in standard mode
+    the actors always wait, so every minibatch is wide."""
+    import torch
+
+    from learner.learner import Learner, ListPublisher, idle_threads, learner_threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    cfg = small_config()
+    cfg.trainer.buffer_type, cfg.trainer.buffer_capacity = "vla", 4
+    assert idle_threads(cfg) is None                            # the default (1): never widened
+    cfg.learner.torch_threads = "idle"
+    assert learner_threads(cfg) == 1 and idle_threads(cfg) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert idle_threads(cfg) == 1                               # two local ranks share three cores
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    learner, _, _, actor = wired(cfg)
+    seen = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n) or set_threads(1))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 1)
+    k = cfg.rollouts_per_update
+
+    def feed(n, seq):
+        for i in range(n):
+            learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
+                           {"kind": "rollout", "actor": 0, "seq": seq + i})
+
+    try:
+        for waiting, seq in ((0, 0), (k, 100)):                 # the next batch absent, then waiting
+            feed(k, seq)
+            batch = learner.take_batch(timeout_s=1.0)
+            feed(waiting, seq + 50)
+            seen.clear()
+            stats = learner.update_once(*batch)
+            assert seen == ([] if waiting == 0 else [3, 1]), (waiting, seen)   # switched once each way
+            assert stats["idle_threads_share"] == (0.0 if waiting == 0 else 1.0)
+        cfg.trainer.buffer_type = "standard"
+        std = Learner(cfg, run_dir=None, publisher=ListPublisher())
+        seen.clear()
+        std._widen_when_idle()
+        assert seen == [3]
+    finally:
+        set_threads(1)
+
+
+def test_torch_threads_idle_with_a_critic_thread_is_a_config_error():
+    from shared.config import ConfigError, config_from_dict
+    raw = {"trainer": {"buffer_size": 16}, "actors": {"num_envs": 4}, "env": {"id": "CartPole-v1"},
+           "learner": {"torch_threads": "idle", "critic_thread": "idle"}, "algorithm": {"cfg": {"batch_size": 32}}}
+    with pytest.raises(ConfigError, match=r"t\.json.*learner\.torch_threads: \"idle\" and learner\.critic_thread"):
+        config_from_dict(raw, source="t.json")
+    raw["learner"]["critic_thread"] = False
+    assert config_from_dict(raw, source="t.json").learner.torch_threads == "idle"
+    raw["learner"]["torch_threads"] = "busy"
+    with pytest.raises(ConfigError, match=r"learner\.torch_threads"):
+        config_from_dict(raw, source="t.json")
