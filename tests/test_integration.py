@@ -412,15 +412,7 @@ def test_sigterm_stops_everything(tmp_path):
         before = run.snapshot()
         cmdlines = [" ".join(p.cmdline()) for p in before if _alive(p)]
         assert any("-m learner" in c for c in cmdlines) and sum("-m actors" in c for c in cmdlines) == 2, cmdlines
-        t0 = time.monotonic()
-        os.kill(run.proc.pid, signal.SIGTERM)
-        try:
-            rc = run.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"launcher still running 15 s after SIGTERM:\n{run.output()}")
-        stop_s = time.monotonic() - t0
-        assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{run.output()}"
-        run.assert_all_gone(run_dir, timeout_s=5)
+        stop_s = _sigterm_and_wait(run, run_dir)
     finally:
         run.stop()
 
@@ -451,15 +443,7 @@ def test_sigterm_during_a_long_update_stops_in_time(tmp_path):
     try:
         assert run.wait(120, until=first_consume) is None, f"the run ended early:\n{run.output()}"
         time.sleep(1.0)                       # well inside the first update
-        t0 = time.monotonic()
-        os.kill(run.proc.pid, signal.SIGTERM)
-        try:
-            rc = run.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"launcher still running 15 s after SIGTERM:\n{run.output()}")
-        stop_s = time.monotonic() - t0
-        assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{run.output()}"
-        run.assert_all_gone(run_dir, timeout_s=5)
+        stop_s = _sigterm_and_wait(run, run_dir)
     finally:
         run.stop()
 
@@ -601,3 +585,18 @@ def test_grpo_run_local(tmp_path):
     assert_consume_lags(events, max_lag=0)
     updates = update_lines(read_jsonl(run_dir / "metrics.jsonl"))
     assert updates and all("loss/policy" in u and "loss/samples" in u for u in updates)
+
+
+def _sigterm_and_wait(run, run_dir) -> float:
+    """SIGTERM the launcher, check it exits with 128 + SIGTERM within 15 s and leaves no process of
+    the run; returns the seconds it took."""
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    try:
+        rc = run.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"launcher still running 15 s after SIGTERM:\n{run.output()}")
+    stop_s = time.monotonic() - t0
+    assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{run.output()}"
+    run.assert_all_gone(run_dir, timeout_s=5)
+    return stop_s

@@ -500,15 +500,10 @@ def test_critic_thread_idle_runs_the_value_loss_there_only_while_the_next_batch_
                         lambda td: seen.append(threading.current_thread() is threading.main_thread()) or get_value(td))
     k = cfg.rollouts_per_update
 
-    def feed(n, seq):
-        for i in range(n):
-            learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
-                           {"kind": "rollout", "actor": 0, "seq": seq + i})
-
     for waiting, seq in ((0, 0), (k, 100)):                    # the next batch absent, then waiting
-        feed(k, seq)
+        _feed(learner, actor, k, seq)
         batch = learner.take_batch(timeout_s=1.0)
-        feed(waiting, seq + 50)
+        _feed(learner, actor, waiting, seq + 50)
         seen.clear()
         stats = learner.update_once(*batch)
         assert seen and all(seen) == (waiting == 0) and (not any(seen)) == (waiting > 0), (waiting, seen)
@@ -561,16 +556,11 @@ def test_torch_threads_idle_widens_only_the_minibatches_taken_while_the_next_bat
     monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 1)
     k = cfg.rollouts_per_update
 
-    def feed(n, seq):
-        for i in range(n):
-            learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
-                           {"kind": "rollout", "actor": 0, "seq": seq + i})
-
     try:
         for waiting, seq in ((0, 0), (k, 100)):                 # the next batch absent, then waiting
-            feed(k, seq)
+            _feed(learner, actor, k, seq)
             batch = learner.take_batch(timeout_s=1.0)
-            feed(waiting, seq + 50)
+            _feed(learner, actor, waiting, seq + 50)
             seen.clear()
             stats = learner.update_once(*batch)
             assert seen == ([] if waiting == 0 else [3, 1]), (waiting, seen)   # switched once each way
@@ -595,3 +585,10 @@ def test_torch_threads_idle_with_a_critic_thread_is_a_config_error():
     raw["learner"]["torch_threads"] = "busy"
     with pytest.raises(ConfigError, match=r"learner\.torch_threads"):
         config_from_dict(raw, source="t.json")
+
+
+def _feed(learner, actor, n, seq):
+    """`n` rollouts collected by `actor` with the learner's current version, ingested as actor 0's."""
+    for i in range(n):
+        learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
+                       {"kind": "rollout", "actor": 0, "seq": seq + i})
