@@ -501,9 +501,7 @@ def test_critic_thread_idle_runs_the_value_loss_there_only_while_the_next_batch_
     k = cfg.rollouts_per_update
 
     for waiting, seq in ((0, 0), (k, 100)):                    # the next batch absent, then waiting
-        _feed(learner, actor, k, seq)
-        batch = learner.take_batch(timeout_s=1.0)
-        _feed(learner, actor, waiting, seq + 50)
+        batch = _batch_then_waiting(learner, actor, k, waiting, seq)
         seen.clear()
         stats = learner.update_once(*batch)
         assert seen and all(seen) == (waiting == 0) and (not any(seen)) == (waiting > 0), (waiting, seen)
@@ -558,9 +556,7 @@ def test_torch_threads_idle_widens_only_the_minibatches_taken_while_the_next_bat
 
     try:
         for waiting, seq in ((0, 0), (k, 100)):                 # the next batch absent, then waiting
-            _feed(learner, actor, k, seq)
-            batch = learner.take_batch(timeout_s=1.0)
-            _feed(learner, actor, waiting, seq + 50)
+            batch = _batch_then_waiting(learner, actor, k, waiting, seq)
             seen.clear()
             stats = learner.update_once(*batch)
             assert seen == ([] if waiting == 0 else [3, 1]), (waiting, seen)   # switched once each way
@@ -592,3 +588,12 @@ def _feed(learner, actor, n, seq):
     for i in range(n):
         learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
                        {"kind": "rollout", "actor": 0, "seq": seq + i})
+
+
+def _batch_then_waiting(learner, actor, k, waiting, seq):
+    """A batch of `k` rollouts taken from the buffer, then `waiting` more left in it (the next batch
+    already waits when ``waiting >= k``): the state the learner's idle gates look at."""
+    _feed(learner, actor, k, seq)
+    batch = learner.take_batch(timeout_s=1.0)
+    _feed(learner, actor, waiting, seq + 50)
+    return batch
