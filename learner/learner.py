@@ -495,10 +495,7 @@ class Learner:
             return out, True
         if a.norm_adv and adv.numel() > 1:       # once per batch, before any importance weight
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        if corr == "appo" and a.appo_rho_weight == "outside_clip":
-            # only the samples already outside PPO's trust region around mu are damped
-            adv = adv * (rho / (1.0 - a.clip_coef)).clamp(max=rho_bar)
-        elif corr != "ewma" and (corr != "appo" or a.appo_rho_weight):
+        if corr != "ewma" and (corr != "appo" or a.appo_rho_weight):
             # ewma weights per minibatch, against its moving average; appo without its extra
             # weight keeps PPO's ratio pi/mu as the only one
             adv = adv * rho.clamp(max=rho_bar)

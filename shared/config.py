@@ -392,17 +392,14 @@ class PPOConfig(ClippedPGConfig):
     -151 +- 20 with gae against -467 +- 308 with impala, on HalfCheetah at lag 1 2796 +- 127 against
     2620 +- 259; appo level on Pendulum either way, and on HalfCheetah at lag 1 with the weight one
     seed in three collapsed with gae (1593 +- 1109) and no seed with impala (2285 +- 222)."""
-    appo_rho_weight: Union[bool, Literal["outside_clip"]] = True
+    appo_rho_weight: bool = True
     """appo: also weight each advantage by min(rho_bar, pi/mu), as Sample Factory does. PPO's ratio
     pi/mu already importance-weights against the behaviour policy, so this weights every sample
     twice (a gradient through rho x min(rho_bar, rho)): it damps the samples the policy has moved
     away from. A trade-off, measured at a lag of exactly 1 (README): without it Pendulum gains
     (-129 +- 9 against -156 +- 33, 8 seeds), HalfCheetah, whose policy moves far in one update,
     loses (2 seeds of 6 collapsed below 300; with it 2285 +- 222 over 3). Set false for tasks
-    whose policy changes little per update. "outside_clip": damp only the samples the policy has
-    already left the trust region of when the update starts, by min(rho_bar, (pi/mu) / (1 -
-    clip_coef)): 1 for pi/mu >= 1 - clip_coef, falling linearly to 0 below (continuous, and 1
-    everywhere on on-policy data)."""
+    whose policy changes little per update."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,
@@ -615,9 +612,6 @@ def _check(cfg: Config) -> list[str]:
         if grpo and getattr(alg, key) == "episode" and not alg.truncate_at_first_done:
             errors.append(f"algorithm.cfg.{key}: \"episode\" needs algorithm.cfg.truncate_at_first_done true "
                           f"({why[key]})")
-    if not grpo and alg.appo_rho_weight == "outside_clip" and alg.clip_coef >= 1:
-        errors.append(f"algorithm.cfg.appo_rho_weight: \"outside_clip\" damps below pi/mu = 1 - clip_coef, "
-                      f"which needs algorithm.cfg.clip_coef < 1 (got {alg.clip_coef})")
     if grpo and p.name == "actor_critic":
         errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
                       f"algorithm.name is \"grpo\")")

@@ -5,8 +5,6 @@ rollouts from before the bootstrap observation existed."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from tensordict import TensorDict
@@ -17,7 +15,7 @@ from learner.minibatch import log_ratio
 from learner.ppo import ppo_loss
 from learner.vtrace import EWMAProximal, ewma_decay_for, vtrace
 from shared import keys
-from shared.config import ConfigError, PPOConfig, load_config
+from shared.config import PPOConfig
 from shared.policies import make_policy
 from tests.test_staleness import _rollout, _vla_learner
 
@@ -64,36 +62,19 @@ def test_advantages_are_normalised_once_per_batch_before_the_weight(tmp_path, mo
     assert (seen["kwargs"]["proximal"] is not None) == (correction == "ewma")
 
 
-@pytest.mark.parametrize("rho_weight", [True, False, "outside_clip"])
+@pytest.mark.parametrize("rho_weight", [True, False])
 def test_appo_weights_its_advantage_by_the_truncated_ratio_only_when_asked(tmp_path, monkeypatch, rho_weight):
-    # a narrow trust region, so that the stale ratios fall on both sides of its lower edge
     cfg, _, td, logp_now, _, seen, _ = _stale_update(tmp_path, monkeypatch, correction="appo", recompute_values=False,
-                                                     appo_rho_weight=rho_weight, clip_coef=0.02)
+                                                     appo_rho_weight=rho_weight)
     a = cfg.algorithm.cfg
     _, adv, _ = vtrace(td[keys.LOG_PROB], logp_now, td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE],
                        td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
                        advantage=a.vtrace_advantage_for())
     rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
-    if rho_weight == "outside_clip":        # 1 inside [1 - clip, inf), linear to 0 below: continuous
-        weight = torch.where(rho >= 1 - a.clip_coef, torch.ones_like(rho), rho / (1 - a.clip_coef))
-    else:
-        weight = rho.clamp(max=1.0) if rho_weight else torch.ones_like(rho)
-    torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], _norm(adv) * weight)
+    expected = _norm(adv) * (rho.clamp(max=1.0) if rho_weight else 1.0)
+    torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], expected)
     torch.testing.assert_close(seen["batch"][keys.LOG_PROB], td[keys.LOG_PROB])   # the clip stays on mu
     assert bool((rho < 0.99).any())          # stale enough that the weight is not 1 everywhere
-    if rho_weight == "outside_clip":         # both sides of the trust region's edge are exercised
-        assert bool((rho < 1 - a.clip_coef).any()) and bool(((rho >= 1 - a.clip_coef) & (rho < 1)).any())
-
-
-def test_appo_outside_clip_needs_a_clip_below_one():
-    cfg = Path(__file__).resolve().parents[1] / "configs" / "pendulum_ppo.json"
-    with pytest.raises(ConfigError, match=r"appo_rho_weight.*clip_coef < 1 \(got 1.5\)"):
-        load_config(cfg, ["algorithm.cfg.correction=\"appo\"", "algorithm.cfg.clip_coef=1.5",
-                          "algorithm.cfg.appo_rho_weight=\"outside_clip\""])
-    with pytest.raises(ConfigError, match="appo_rho_weight"):
-        load_config(cfg, ["algorithm.cfg.appo_rho_weight=\"sometimes\""])
-    assert load_config(cfg, ["algorithm.cfg.appo_rho_weight=\"outside_clip\""]).algorithm.cfg.appo_rho_weight \
-        == "outside_clip"
 
 
 def test_plain_ppo_still_normalises_per_minibatch(tmp_path, monkeypatch):
