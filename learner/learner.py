@@ -451,17 +451,28 @@ class Learner:
             self.policy.train()
         return out
 
-    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor, stale: bool
-                                ) -> tuple[dict[str, float], bool]:
+    def _recompute(self, stale: bool) -> bool:
+        """Whether V(s) and the bootstraps are recomputed with the current critic this update."""
+        return stale if self.algo.recompute_values is None else self.algo.recompute_values
+
+    def _correct_and_advantages(self, flat: TensorDictBase, reward: torch.Tensor, stale: bool,
+                                behaviour: torch.Tensor | None = None) -> tuple[dict[str, float], bool]:
         """Set advantages and value targets on `flat` ``[B, T]`` with the configured off-policy
         correction (``learner/vtrace.py``); `stale`: some samples were acted by an older version.
         Returns diagnostics for the log, and whether PPO should still normalise advantages per
-        minibatch (plain PPO) or not (a correction normalised them once, before weighting)."""
+        minibatch (plain PPO) or not (a correction normalised them once, before weighting).
+
+        `behaviour` (``advantages_every: epoch``, every epoch after the first): the behaviour
+        log-prob mu as the batch arrived. The advantages, targets and values are recomputed from the
+        live critic, and for ``appo`` the weights pi/mu from the live policy (``is``, ``vtrace`` and
+        ``mask`` keep the proximal policy as their target); the anchor in ``log_prob`` and the
+        ``mask`` correction's choice stay as the first call set them."""
         a = self.algo
+        refresh = behaviour is not None
         value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
         terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
         # stale samples carry a stale critic's values: recompute them (by default)
-        recompute = stale if a.recompute_values is None else a.recompute_values
+        recompute = self._recompute(stale)
         corr = a.correction
         if corr == "none" and not recompute:
             adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
@@ -479,7 +490,11 @@ class Learner:
                 out["bootstrap_shift"] = float((boot - next_value)[need].abs().mean()) if bool(need.any()) else 0.0
         else:
             value_now, next_now = value, next_value
-        mu = flat[keys.LOG_PROB]
+        mu = behaviour if refresh else flat[keys.LOG_PROB]
+        if refresh and corr in ("is", "vtrace", "mask"):
+            # decoupled PPO: the target policy of the weights (and of V-trace) is the proximal one,
+            # set as the anchor at the start of the update; only the critic is live
+            logp_now = flat[keys.LOG_PROB]
         rho = log_ratio(logp_now, mu).exp()
         rho_bar = a.rho_bar_for()
         if corr in ("vtrace", "appo"):
@@ -500,6 +515,8 @@ class Learner:
             # weight keeps PPO's ratio pi/mu as the only one
             adv = adv * rho.clamp(max=rho_bar)
         flat.set(keys.ADVANTAGE, adv)
+        if refresh:
+            return out, False
         if corr in ("is", "vtrace", "mask"):
             # Decoupled PPO: clip the ratio against the policy at the start of this update.
             flat.set(keys.LOG_PROB, logp_now)
@@ -567,9 +584,15 @@ class Learner:
                 reward = flat[keys.REWARD]
                 if self.reward_scaler is not None:
                     reward = self.reward_scaler.scale_by(reward, reward_std)
-                correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale=bool(lags.max() > 0))
+                stale = bool(lags.max() > 0)
+                refresh = None
+                if a.advantages_every == "epoch" and (a.correction != "none" or self._recompute(stale)):
+                    mu = flat[keys.LOG_PROB].clone()
+                    refresh = lambda: self._correct_and_advantages(flat, reward, stale, behaviour=mu)  # noqa: E731
+                correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale)
                 stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                    sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma,
+                                   refresh=refresh,
                                    critic_thread=self.critic_thread, critic_when=self.critic_when,
                                    should_stop=should_stop, before_minibatch=widen)
                 stats.update(correction_stats)

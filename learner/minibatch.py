@@ -43,7 +43,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                side_loss: tuple[Executor, LossFn] | None = None,
                side_when: Callable[[], bool] | None = None,
                should_stop: Callable[[], bool] | None = None,
-               before_minibatch: Callable[[], None] | None = None) -> dict[str, float]:
+               before_minibatch: Callable[[], None] | None = None,
+               before_epoch: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
     exactly once per pass, in minibatches drawn with `generator`.
 
@@ -70,6 +71,9 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
 
     `before_minibatch`: called before each minibatch's forward pass (the learner sets its intra-op
     threads there: ``learner.torch_threads`` "idle").
+
+    `before_epoch`: called before every epoch after the first; the fields it returns (the same
+    keys and lengths) replace `fields` from that epoch on.
     """
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
@@ -77,7 +81,9 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     sums: dict[str, torch.Tensor] = {}   # kept on the device: no host sync per minibatch
     count = epochs = skipped = minibatches = on_side = 0
     stopped = False
-    for _ in range(n_epochs):
+    for epoch in range(n_epochs):
+        if epoch and before_epoch is not None:
+            fields = before_epoch()
         epochs += 1
         perm = torch.randperm(n, generator=generator).to(device)
         epoch_kl = []

@@ -108,7 +108,8 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
                proximal: EWMAProximal | None = None, critic_thread: Executor | None = None,
                critic_when: Callable[[], bool] | None = None,
                should_stop: Callable[[], bool] | None = None,
-               before_minibatch: Callable[[], None] | None = None) -> dict[str, float]:
+               before_minibatch: Callable[[], None] | None = None,
+               refresh: Callable[[], object] | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
@@ -119,11 +120,20 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     the policy loss; the gradients, and so the update, are the same as without it. `critic_when`:
     asked before each minibatch; where it says False that minibatch's value loss runs on this thread
     (``side_share`` in the result: the share that ran on `critic_thread`). `should_stop`,
-    `before_minibatch`: see :func:`learner.minibatch.run_epochs`.
+    `before_minibatch`: see :func:`learner.minibatch.run_epochs`. `refresh`: called before every
+    epoch after the first; it rewrites fields of `batch` (``advantages_every: epoch``), which that
+    epoch then trains on.
     """
-    b = batch.reshape(-1)
-    fields = {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
-                                    keys.VALUE_TARGET, MASK) if k in b.keys()}
+    def read_fields() -> dict[str, torch.Tensor]:
+        b = batch.reshape(-1)
+        return {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
+                                      keys.VALUE_TARGET, MASK) if k in b.keys()}
+
+    def refreshed() -> dict[str, torch.Tensor]:
+        refresh()
+        return read_fields()
+
+    fields = read_fields()
     prox_fn = proximal.log_prob if proximal is not None else None
     if critic_thread is not None:
         loss_fn = lambda mb: ppo_actor_loss(policy, mb, cfg, renormalize, prox_fn)  # noqa: E731
@@ -133,7 +143,9 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
                         cfg.target_kl, generator, sync_mean,
                         after_step=proximal.step if proximal is not None else None, side_loss=side,
-                        side_when=critic_when, should_stop=should_stop, before_minibatch=before_minibatch)
+                        side_when=critic_when, should_stop=should_stop, before_minibatch=before_minibatch,
+                        before_epoch=refreshed if refresh is not None else None)
+    b = batch.reshape(-1)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
         var_y = y.var()

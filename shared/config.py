@@ -417,6 +417,16 @@ class PPOConfig(ClippedPGConfig):
     (``bootstrap_observation``); a rollout without one (a recording from before it existed, or
     standard mode, where nothing is stale) keeps the actor's ``next_value`` there."""
 
+    advantages_every: Literal["update", "epoch"] = "update"
+    """When the off-policy corrections compute their advantages and value targets. update: once,
+    at the start of the update, from the policy and critic as they were then. epoch: again before
+    every epoch after the first, from the live critic and (for the weights pi/mu) the live policy,
+    as Sample Factory's APPO does per minibatch and as Andrychowicz et al. (2021, "What matters in
+    on-policy RL") recommend per pass. The anchor the ratio is clipped against stays what the
+    correction set at the start of the update (mu, or the proximal policy), and ``mask`` keeps the
+    samples it chose then. Costs one forward pass over the batch per epoch. No effect with
+    ``correction: none`` and ``recompute_values: false`` (nothing would change)."""
+
     def vtrace_advantage_for(self) -> str:
         """The V-trace advantage in use (the default depends on the correction)."""
         if self.vtrace_advantage is not None:

@@ -304,3 +304,89 @@ def _info(meta, td):
             "policy_version_max": int(versions.max()), "env_steps": versions.numel(),
             "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": 0,
             "episode_length_mean": None, "received": None, "sent": None}
+
+
+def test_before_epoch_replaces_the_fields_from_the_next_epoch_on():
+    """run_epochs: the fields before_epoch returns are what the later epochs train on."""
+    from learner.minibatch import run_epochs
+    n, seen, calls = 6, [], []
+    lin = torch.nn.Linear(1, 1)
+
+    def loss_fn(mb):
+        seen.append(mb[keys.ADVANTAGE].clone())
+        return {"loss_x": (lin(mb[keys.OBS]).squeeze(-1) * mb[keys.ADVANTAGE]).mean(), "approx_kl": torch.zeros(())}
+
+    def before_epoch():
+        calls.append(len(seen))
+        return {keys.OBS: torch.ones(n, 1), keys.ADVANTAGE: torch.full((n,), float(len(calls) + 1))}
+
+    fields = {keys.OBS: torch.ones(n, 1), keys.ADVANTAGE: torch.ones(n)}
+    stats = run_epochs(lin, torch.optim.SGD(lin.parameters(), lr=0.0), fields, loss_fn, 3, 4, 0.5, None,
+                       torch.Generator().manual_seed(0), before_epoch=before_epoch)
+    assert stats["epochs"] == 3 and calls == [2, 4]       # before epochs 2 and 3, never before the first
+    assert [float(s.mean()) for s in seen] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("correction", ["appo", "is", "none"])
+def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_anchor(tmp_path, monkeypatch,
+                                                                                      correction):
+    """advantages_every: epoch: one recomputation per later epoch, against the behaviour log-prob
+    as it arrived, with the anchor of the ratio left as the first computation set it; appo's
+    weights follow the live policy, is keeps the proximal one as its target."""
+    import learner.learner as learner_module
+    cfg, learner = _vla_learner(tmp_path, correction=correction, advantages_every="epoch", n_epochs=3)
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(2):
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    calls = []
+    real = learner_module.Learner._correct_and_advantages
+
+    def spy(self, flat, reward, stale, behaviour=None):
+        with torch.no_grad():
+            logp, _, value = self.policy.evaluate_actions(flat.reshape(-1))
+        anchor, boot = flat[keys.LOG_PROB].clone(), self._bootstrap_values(flat)
+        out = real(self, flat, reward, stale, behaviour=behaviour)
+        calls.append({"behaviour": behaviour, "reward": reward.clone(), "boot": boot, "anchor_before": anchor, "anchor_after": flat[keys.LOG_PROB].clone(),
+                      "logp": logp.view(n, t), "value": value.view(n, t), "value_set": flat[keys.VALUE].clone(),
+                      "adv": flat[keys.ADVANTAGE].clone()})
+        return out
+
+    monkeypatch.setattr(learner_module.Learner, "_correct_and_advantages", spy)
+    learner.ingest(td.clone(), meta)
+    learner.update_once(*learner.take_batch(timeout_s=0))
+    assert len(calls) == 3                                  # the update's start, then before epochs 2 and 3
+    first, *later = calls
+    assert first["behaviour"] is None
+    for c in later:
+        torch.testing.assert_close(c["behaviour"], td[keys.LOG_PROB])          # mu as it arrived
+        torch.testing.assert_close(c["anchor_after"], first["anchor_after"])   # the clip's anchor stays
+        torch.testing.assert_close(c["value_set"], c["value"])                 # the live critic's values
+    assert not torch.allclose(later[0]["value"], first["value"])              # the critic did move
+    assert not torch.allclose(later[0]["adv"], first["adv"])
+    if correction == "appo":   # the weight min(1, pi/mu) with the live pi: recomputed by hand
+        a = cfg.algorithm.cfg
+        c = later[-1]
+        from learner.vtrace import current_values
+        next_now = current_values(c["value"], td[keys.NEXT_VALUE], td[keys.DONE], c["boot"], td[keys.TERMINATED])
+        _, adv, _ = vtrace(td[keys.LOG_PROB], c["logp"], c["reward"], c["value"], next_now,
+                           td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
+                           advantage=a.vtrace_advantage_for())
+        rho = log_ratio(c["logp"], td[keys.LOG_PROB]).exp()
+        torch.testing.assert_close(c["adv"], _norm(adv) * rho.clamp(max=1.0))
+
+
+def test_advantages_every_epoch_with_one_epoch_is_the_same_update(tmp_path):
+    """With a single epoch there is nothing to refresh: the weights match the default bit for bit."""
+    weights = []
+    for every in ("update", "epoch"):
+        cfg, learner = _vla_learner(tmp_path / every, correction="appo", advantages_every=every, n_epochs=1)
+        n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+        td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+        for _ in range(3):
+            learner.ingest(td.clone(), meta)
+            learner.update_once(*learner.take_batch(timeout_s=0))
+        weights.append({k: v.clone() for k, v in learner.policy.state_dict().items()})
+    for k in weights[0]:
+        assert torch.equal(weights[0][k], weights[1][k]), k
