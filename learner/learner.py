@@ -586,7 +586,7 @@ class Learner:
                     reward = self.reward_scaler.scale_by(reward, reward_std)
                 stale = bool(lags.max() > 0)
                 refresh = None
-                if a.advantages_every == "epoch" and (a.correction != "none" or self._recompute(stale)):
+                if a.advantages_every_for(stale) == "epoch" and (a.correction != "none" or self._recompute(stale)):
                     mu = flat[keys.LOG_PROB].clone()
                     refresh = lambda: self._correct_and_advantages(flat, reward, stale, behaviour=mu)  # noqa: E731
                 correction_stats, renormalize = self._correct_and_advantages(flat, reward, stale)

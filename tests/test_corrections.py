@@ -145,6 +145,12 @@ def test_vtrace_and_appo_defaults_are_the_measured_ones():
     assert PPOConfig(correction="appo").vtrace_advantage_for() == "impala"
     assert PPOConfig(correction="appo", vtrace_advantage="gae").vtrace_advantage_for() == "gae"
     assert PPOConfig().appo_rho_weight is True
+    # appo recomputes its advantages every epoch on stale data only: on fresh data it is plain PPO
+    assert PPOConfig(correction="appo").advantages_every_for(stale=True) == "epoch"
+    assert PPOConfig(correction="appo").advantages_every_for(stale=False) == "update"
+    assert PPOConfig(correction="is").advantages_every_for(stale=True) == "update"
+    assert PPOConfig(correction="is", advantages_every="epoch").advantages_every_for(stale=False) == "epoch"
+    assert PPOConfig(correction="appo", advantages_every="update").advantages_every_for(stale=True) == "update"
 
 
 def _tiny_policy():
