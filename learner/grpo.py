@@ -106,7 +106,8 @@ def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[st
     log_ratio = clamped_log_ratio(new_logp, mb[keys.LOG_PROB])
     ratio = log_ratio.exp()
     adv = mb[keys.ADVANTAGE]
-    pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+    high = cfg.clip_coef if cfg.clip_coef_high is None else cfg.clip_coef_high
+    pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + high)).mean()
     ent = entropy.mean()
     out = {"loss_policy": pg_loss, "loss_entropy": -cfg.ent_coef * ent, "entropy": ent.detach()}
     if cfg.kl_coef > 0:
@@ -116,7 +117,7 @@ def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[st
         out["kl_ref"] = kl.detach()
     with torch.no_grad():
         out["approx_kl"] = ((ratio - 1) - log_ratio).mean()
-        out["clip_frac"] = ((ratio - 1).abs() > cfg.clip_coef).float().mean()
+        out["clip_frac"] = ((ratio < 1 - cfg.clip_coef) | (ratio > 1 + high)).float().mean()
     return out
 
 

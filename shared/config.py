@@ -460,6 +460,11 @@ class GRPOConfig(ClippedPGConfig):
     """Envs per group; actors.num_envs must be a multiple of it. A group of one has zero advantages."""
     kl_coef: Annotated[float, Range(ge=0)] = 0.0
     """Weight of the KL penalty to the frozen reference (initial) policy: 0 from scratch, ~0.02 to fine-tune."""
+    clip_coef_high: Optional[Annotated[float, Range(gt=0)]] = None
+    """The upper clip: the ratio is clipped to [1 - clip_coef, 1 + clip_coef_high] (DAPO's
+    "clip-higher", Yu et al. 2025; SimpleVLA-RL uses 0.28 with clip_coef 0.2). A wider upper bound
+    lets a rarely sampled action that succeeded gain more probability in one update, against the
+    collapse onto what the policy already does most. None: clip_coef (symmetric)."""
     eps: Annotated[float, Range(gt=0)] = 1e-8
     """Added to the within-group standard deviation (0 would divide by zero when a group's returns tie)."""
     scale_by_std: bool = True

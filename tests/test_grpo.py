@@ -170,6 +170,34 @@ def test_reference_kl_term():
     assert "loss_kl" not in grpo_loss(_Policy(logp), mb, GRPOConfig(kl_coef=0.0))
 
 
+def test_clip_higher_widens_only_the_upper_bound():
+    """clip_coef_high: ratios are clipped to [1 - clip_coef, 1 + clip_coef_high]; by hand, with the
+    policy's log-probs moved to ratios 0.7, 1.25 and 1.4 on positive and negative advantages."""
+    new = torch.log(torch.tensor([0.7, 1.25, 1.4, 0.7, 1.25, 1.4]))
+    old = torch.zeros(6)
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
+    mb = TensorDict({keys.OBS: torch.arange(6.0), keys.ACTION: torch.zeros(6), keys.LOG_PROB: old,
+                     keys.ADVANTAGE: adv}, [6])
+
+    def by_hand(low, high):
+        r = new.exp()
+        return torch.max(-adv * r, -adv * r.clamp(1 - low, 1 + high)).mean().item()
+
+    sym = grpo_loss(_Policy(new), mb, GRPOConfig(clip_coef=0.2))
+    wide = grpo_loss(_Policy(new), mb, GRPOConfig(clip_coef=0.2, clip_coef_high=0.28))
+    assert sym["loss_policy"].item() == pytest.approx(by_hand(0.2, 0.2))
+    assert wide["loss_policy"].item() == pytest.approx(by_hand(0.2, 0.28))
+    assert wide["loss_policy"].item() < sym["loss_policy"].item()      # 1.25 is no longer clipped up
+    assert sym["clip_frac"].item() == pytest.approx(1.0) and wide["clip_frac"].item() == pytest.approx(4 / 6)
+    # the gradient reaches the sample at 1.25 with a positive advantage only under clip-higher
+    for cfg, flows in ((GRPOConfig(clip_coef=0.2), False), (GRPOConfig(clip_coef=0.2, clip_coef_high=0.28), True)):
+        one = TensorDict({keys.OBS: torch.tensor([1.0]), keys.ACTION: torch.zeros(1), keys.LOG_PROB: torch.zeros(1),
+                          keys.ADVANTAGE: torch.ones(1)}, [1])
+        policy = _Policy(new)
+        grpo_loss(policy, one, cfg)["loss_policy"].backward()
+        assert (policy.shift.grad.abs().item() > 0) == flows
+
+
 def test_update_only_trains_on_unmasked_steps():
     seen = []
 
