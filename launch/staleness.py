@@ -651,11 +651,16 @@ def group_stats(members: Sequence[Run]) -> tuple[float, float, float, float, int
     return float(lag.mean()), float(ret.mean()), float(ret.std()), float(lag.std()), len(pts)
 
 
+MAX_POINT_LABELS = 6   # return_vs_lag names each point by its run group only up to this many points
+
+
 def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     """Figure 7: final return against sample-weighted mean lag, coloured by correction (`colours`, the
     run colours, are not used here). Runs that differ only in their seed are one point: the mean, with
     a bar of +-1 std over seeds; each seed is a small faint marker. A sawtooth lag (``sync_every``) and a
-    constant one (``weights_lag_versions``, dashed, hollow markers) are separate lines."""
+    constant one (``weights_lag_versions``, dashed, hollow markers) are separate lines. Up to
+    ``MAX_POINT_LABELS`` points each carry their run group's name; beyond that the labels would
+    overlap, and the legend (correction) and the x axis (lag) name every point."""
     fig, ax = plt.subplots(figsize=(8, 5))
     by_correction: dict[tuple[str, bool], list[tuple[float, float, float, float, int, str, list[Run]]]] = {}
     for label, members in seed_groups(runs):
@@ -677,9 +682,10 @@ def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure
         ax.errorbar(lag, ret, yerr=std, color=colour, marker=marker, markersize=8, linewidth=1.6, capsize=4,
                     linestyle="--" if held else "-", markerfacecolor="white" if held else colour,
                     label=f"{correction} (constant lag)" if held else correction)
-        for x, y, _, _, n, label, _ in points:
-            ax.annotate(label + (f" (n={n})" if n > 1 else ""), (x, y), xytext=(5, 5), textcoords="offset points",
-                        fontsize=8)
+        if sum(len(p) for p in by_correction.values()) <= MAX_POINT_LABELS:   # more would overlap: the legend
+            for x, y, _, _, n, label, _ in points:                              # and the x axis say it all
+                ax.annotate(label + (f" (n={n})" if n > 1 else ""), (x, y), xytext=(5, 5),
+                            textcoords="offset points", fontsize=8)
     _note_missing(ax, runs, lambda r: r.mean_lag is not None and r.final_return is not None,
                   "not shown (no consumed rollouts or no evaluations)")
     _finish(ax, f"Final return vs mean policy lag (final: mean of last {FINAL_EVALS} evals; bars: ±1 std over seeds)",
