@@ -425,11 +425,12 @@ class PPOConfig(ClippedPGConfig):
     "What matters in on-policy RL") recommend per pass. The anchor the ratio is clipped against
     stays what the correction set at the start of the update (mu, or the proximal policy), and
     ``mask`` keeps the samples it chose then. Costs one forward pass over the batch per epoch.
-    None (default): epoch for appo on a batch that holds stale samples (vla mode), else update, so
-    that every correction is plain PPO on fresh data. Measured at a lag of exactly 1 (README): appo
-    with it on Pendulum -131.9 +- 13.1 (8 seeds; -156.3 +- 33.4 computed once per update, none
-    -131.7 +- 5.7), on HalfCheetah 2148 +- 184 (3 seeds; 2285 +- 222 once per update). No effect
-    with ``correction: none`` and ``recompute_values: false`` (nothing would change)."""
+    None (default): epoch for appo and vtrace on a batch that holds stale samples (vla mode), else
+    update, so that every correction is plain PPO on fresh data. Measured at a lag of exactly 1
+    (README): appo with it on Pendulum -131.9 +- 13.1 (8 seeds; -156.3 +- 33.4 computed once per
+    update, none -131.7 +- 5.7), on HalfCheetah 2148 +- 184 (3 seeds; 2285 +- 222 once per update);
+    vtrace -129.2 +- 9.9 (-138.8 +- 7.7) and 2776 +- 136 (2796 +- 127). is, ewma and mask: not
+    measured with it. No effect with ``correction: none`` and ``recompute_values: false``."""
 
     def vtrace_advantage_for(self) -> str:
         """The V-trace advantage in use (the default depends on the correction)."""
@@ -442,7 +443,7 @@ class PPOConfig(ClippedPGConfig):
         depends on the correction and the data)."""
         if self.advantages_every is not None:
             return self.advantages_every
-        return "epoch" if self.correction == "appo" and stale else "update"
+        return "epoch" if self.correction in ("appo", "vtrace") and stale else "update"
 
     def rho_bar_for(self) -> float:
         """The truncation level in use (the default depends on the correction)."""

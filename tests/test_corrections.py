@@ -148,6 +148,8 @@ def test_vtrace_and_appo_defaults_are_the_measured_ones():
     # appo recomputes its advantages every epoch on stale data only: on fresh data it is plain PPO
     assert PPOConfig(correction="appo").advantages_every_for(stale=True) == "epoch"
     assert PPOConfig(correction="appo").advantages_every_for(stale=False) == "update"
+    assert PPOConfig(correction="vtrace").advantages_every_for(stale=True) == "epoch"
+    assert PPOConfig(correction="vtrace").advantages_every_for(stale=False) == "update"
     assert PPOConfig(correction="is").advantages_every_for(stale=True) == "update"
     assert PPOConfig(correction="is", advantages_every="epoch").advantages_every_for(stale=False) == "epoch"
     assert PPOConfig(correction="appo", advantages_every="update").advantages_every_for(stale=True) == "update"
@@ -333,7 +335,7 @@ def test_before_epoch_replaces_the_fields_from_the_next_epoch_on():
     assert [float(s.mean()) for s in seen] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
 
 
-@pytest.mark.parametrize("correction", ["appo", "is", "none"])
+@pytest.mark.parametrize("correction", ["appo", "vtrace", "is", "none"])
 def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_anchor(tmp_path, monkeypatch,
                                                                                       correction):
     """advantages_every: epoch: one recomputation per later epoch, against the behaviour log-prob
