@@ -60,7 +60,9 @@ def test_pace_trains_each_actor_at_its_share_and_drop_skews_it(tmp_path):
 
     summary, events = _run(tmp_path, "drop")
     collected, trained, consumed = _shares(events)
-    assert 0.02 < collected[1] < 0.45, f"actor 1 should be the slow one: collected shares {collected}"
+    # the slow actor's share depends on how fast the machine runs the other one (17-20% on an AMD
+    # EPYC VM, 1.6-3.2% on a faster Intel Xeon one): it must have delivered something, and less
+    assert 0 < collected[1] < 0.45, f"actor 1 should be the slow one: collected shares {collected}"
     assert max(e["lag"] for e in consumed) <= MAX_LAG
     assert summary["dropped_lag"] + summary["overwritten"] > 0
     # the slow actor's data arrives old and is the data thrown away: trained below its collected share
