@@ -436,6 +436,19 @@ class Learner:
         self.policy.train()
         return torch.cat(logps).view(flat.shape), torch.cat(values).view(flat.shape)
 
+    def _values_now(self, flat: TensorDictBase, chunk: int = 16384) -> torch.Tensor:
+        """The current critic's V(s) on ``[B, T]`` data, without the policy's log-prob (for a
+        separate critic, one network's forward pass instead of two)."""
+        self.policy.eval()
+        b = flat.reshape(-1)
+        values = []
+        with torch.no_grad():
+            for start in range(0, b.shape[0], chunk):
+                part = b[start:start + chunk]
+                values.append(self.policy.get_value(TensorDict({keys.OBS: part[keys.OBS]}, batch_size=part.shape)))
+        self.policy.train()
+        return torch.cat(values).view(flat.shape)
+
     def _bootstrap_values(self, flat: TensorDictBase) -> torch.Tensor | None:
         """The current critic on ``bootstrap_observation`` ``[B, T]``, evaluated only where a
         bootstrap is needed (zeros elsewhere); None when the rollouts carry no such observation."""
@@ -480,7 +493,14 @@ class Learner:
             flat.set(keys.VALUE_TARGET, target)
             return {}, True
         out: dict[str, float] = {}
-        logp_now, value_now = self._evaluate_now(flat)
+        mu = behaviour if refresh else flat[keys.LOG_PROB]
+        if refresh and corr in ("is", "vtrace", "mask"):
+            # decoupled PPO: the target policy of the weights (and of V-trace) is the proximal one,
+            # set as the anchor at the start of the update; only the critic is live, so only it runs
+            logp_now = flat[keys.LOG_PROB]
+            value_now = self._values_now(flat) if recompute else value
+        else:
+            logp_now, value_now = self._evaluate_now(flat)
         if recompute:
             boot = self._bootstrap_values(flat)
             next_now = current_values(value_now, next_value, done, boot, terminated)
@@ -490,11 +510,6 @@ class Learner:
                 out["bootstrap_shift"] = float((boot - next_value)[need].abs().mean()) if bool(need.any()) else 0.0
         else:
             value_now, next_now = value, next_value
-        mu = behaviour if refresh else flat[keys.LOG_PROB]
-        if refresh and corr in ("is", "vtrace", "mask"):
-            # decoupled PPO: the target policy of the weights (and of V-trace) is the proximal one,
-            # set as the anchor at the start of the update; only the critic is live
-            logp_now = flat[keys.LOG_PROB]
         rho = log_ratio(logp_now, mu).exp()
         rho_bar = a.rho_bar_for()
         if corr in ("vtrace", "appo"):

@@ -385,6 +385,30 @@ def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_an
         torch.testing.assert_close(c["adv"], _norm(adv) * rho.clamp(max=1.0))
 
 
+@pytest.mark.parametrize("correction", ["appo", "vtrace", "is", "mask"])
+def test_advantages_every_epoch_runs_the_policy_only_where_its_log_prob_is_used(tmp_path, monkeypatch, correction):
+    """On a refresh, is / vtrace / mask keep the proximal log-prob, so only the critic runs; appo's
+    weights need the live policy's log-prob, so the whole policy runs."""
+    import learner.learner as learner_module
+    cfg, learner = _vla_learner(tmp_path, correction=correction, advantages_every="epoch", n_epochs=3)
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(2):
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    seen = []
+    for name in ("_evaluate_now", "_values_now"):
+        real = getattr(learner_module.Learner, name)
+        monkeypatch.setattr(learner_module.Learner, name,
+                            lambda self, flat, _real=real, _name=name: seen.append(_name) or _real(self, flat))
+    learner.ingest(td.clone(), meta)
+    learner.update_once(*learner.take_batch(timeout_s=0))
+    if correction == "appo":
+        assert seen == ["_evaluate_now"] * 3
+    else:                                                   # the update's start, then the critic before epochs 2, 3
+        assert seen == ["_evaluate_now", "_values_now", "_values_now"]
+
+
 def test_advantages_every_epoch_with_one_epoch_is_the_same_update(tmp_path):
     """With a single epoch there is nothing to refresh: the weights match the default bit for bit."""
     weights = []
