@@ -335,6 +335,18 @@ def test_before_epoch_replaces_the_fields_from_the_next_epoch_on():
     assert [float(s.mean()) for s in seen] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
 
 
+def _epoch_refreshing_learner(tmp_path, correction):
+    """A 3-epoch learner with ``advantages_every: epoch`` after two updates on one version-0
+    rollout, and that rollout: ingested again it is stale, so the next update refreshes."""
+    cfg, learner = _vla_learner(tmp_path, correction=correction, advantages_every="epoch", n_epochs=3)
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(2):
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    return cfg, learner, td, meta
+
+
 @pytest.mark.parametrize("correction", ["appo", "vtrace", "is", "none"])
 def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_anchor(tmp_path, monkeypatch,
                                                                                       correction):
@@ -342,12 +354,8 @@ def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_an
     as it arrived, with the anchor of the ratio left as the first computation set it; appo's
     weights follow the live policy, is keeps the proximal one as its target."""
     import learner.learner as learner_module
-    cfg, learner = _vla_learner(tmp_path, correction=correction, advantages_every="epoch", n_epochs=3)
+    cfg, learner, td, meta = _epoch_refreshing_learner(tmp_path, correction)
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
-    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
-    for _ in range(2):
-        learner.ingest(td.clone(), meta)
-        learner.update_once(*learner.take_batch(timeout_s=0))
     calls = []
     real = learner_module.Learner._correct_and_advantages
 
@@ -390,12 +398,7 @@ def test_advantages_every_epoch_runs_the_policy_only_where_its_log_prob_is_used(
     """On a refresh, is / vtrace / mask keep the proximal log-prob, so only the critic runs; appo's
     weights need the live policy's log-prob, so the whole policy runs."""
     import learner.learner as learner_module
-    cfg, learner = _vla_learner(tmp_path, correction=correction, advantages_every="epoch", n_epochs=3)
-    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
-    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
-    for _ in range(2):
-        learner.ingest(td.clone(), meta)
-        learner.update_once(*learner.take_batch(timeout_s=0))
+    _, learner, td, meta = _epoch_refreshing_learner(tmp_path, correction)
     seen = []
     for name in ("_evaluate_now", "_values_now"):
         real = getattr(learner_module.Learner, name)
