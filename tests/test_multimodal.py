@@ -4,6 +4,7 @@ converted to float before a model asks for it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
@@ -146,3 +147,34 @@ def test_reach_task_needs_the_instruction_and_the_expert_solves_it():
     a = env.reset(seed=[5, 5, 6] + [7] * 61)
     torch.testing.assert_close(a[0], a[1])
     assert not torch.equal(a["rgb"][0], a["rgb"][2]) or not torch.equal(a["proprio"][0], a["proprio"][2])
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 6])
+def test_reach_rotate_groups_share_the_scene_and_rotate_the_instruction(group):
+    from shared.envs import make_env
+    seeds = [s for s in (11, 12, 13, 14) for _ in range(group)]
+    env = make_env("tandem/Reach-v0", len(seeds), {"group_goals": "rotate"})
+    same = make_env("tandem/Reach-v0", len(seeds))
+    obs, ref = env.reset(seed=seeds), same.reset(seed=seeds)
+    # the scene (image, start) is what "same" gives; only the instruction differs
+    torch.testing.assert_close(obs["rgb"], ref["rgb"])
+    torch.testing.assert_close(obs["proprio"], ref["proprio"])
+    goals = env.goal.view(4, group)
+    assert torch.equal(goals[:, 0], same.goal.view(4, group)[:, 0])      # the first member keeps the seed's goal
+    assert torch.equal(goals, (goals[:, :1] + torch.arange(group)) % 3)  # the others step through the targets
+    assert torch.equal(obs["instruction"][:, 1], env.goal + 2)           # and are told so ("red" is token 2)
+    assert (same.goal.view(4, group) == same.goal.view(4, group)[:, :1]).all()
+    # an int seed (the evaluator's reset) is not affected
+    a, b = make_env("tandem/Reach-v0", 32, {"group_goals": "rotate"}), make_env("tandem/Reach-v0", 32)
+    torch.testing.assert_close(a.reset(seed=9), b.reset(seed=9))
+    # the reward follows the rotated goal: the expert of each member reaches its own target
+    successes = []
+    for _ in range(40):
+        successes += env.step(env.expert_action()).episode_successes
+    assert len(successes) >= len(seeds) and all(successes)
+
+
+def test_reach_rejects_an_unknown_group_goals():
+    from shared.envs.reach import Reach
+    with pytest.raises(ValueError, match="group_goals='mixed' must be 'same' or 'rotate'"):
+        Reach(4, group_goals="mixed")

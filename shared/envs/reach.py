@@ -10,6 +10,16 @@ last action), ``instruction`` int64 ``[4]``. Action: a 2-D velocity in ``[-1, 1]
 progress towards the named target (in step lengths), +5 on reaching it (within ``success_radius``),
 which ends the episode (terminated); ``max_episode_steps`` truncates. ``reward="success"`` gives
 the sparse 0/1 reward instead: 1 on the step that reaches the target, else 0.
+
+GRPO groups (``reset(seed=[...])``, envs sharing a seed) start from the same scene. With
+``group_goals="same"`` (default) they also share the instruction, so the group's baseline compares
+rollouts of one task. With ``group_goals="rotate"`` the j-th env of a group is told to reach target
+``(g + j) % 3``: the same targets and start, a different instruction. A 0/1 outcome then says
+something where a same-instruction group says nothing: a policy that ignores the instruction and
+always reaches the same target scores 1 in one member and 0 in the others, so reaching it under the
+wrong instruction gets a negative advantage. The group mean stays a valid baseline (it does not
+depend on the member's own actions beyond its own return, as in any GRPO group), only no longer a
+per-instruction one. Resets with an int seed (the evaluator) are unaffected.
 """
 
 from __future__ import annotations
@@ -29,10 +39,12 @@ class Reach:
 
     def __init__(self, num_envs: int, device: str | torch.device = "cpu", image_size: int = 16,
                  max_episode_steps: int = 30, step_size: float = 0.15, success_radius: float = 0.15,
-                 reward: str = "dense"):
+                 reward: str = "dense", group_goals: str = "same"):
         if reward not in ("dense", "success"):
             raise ValueError(f"Reach: reward={reward!r} must be 'dense' or 'success'")
-        self.reward_kind = reward
+        if group_goals not in ("same", "rotate"):
+            raise ValueError(f"Reach: group_goals={group_goals!r} must be 'same' or 'rotate'")
+        self.reward_kind, self.group_goals = reward, group_goals
         self.num_envs, self.device = num_envs, torch.device(device)
         self.image_size, self.max_episode_steps = image_size, max_episode_steps
         self.step_size, self.success_radius = step_size, success_radius
@@ -100,6 +112,9 @@ class Reach:
                 for name in ("targets", "goal", "pos"):
                     t = getattr(self, name)
                     t[idx] = t[idx[:1]]
+                if self.group_goals == "rotate":   # same scene, the instruction rotated through the targets
+                    rank = torch.arange(idx.numel(), device=self.device)
+                    self.goal[idx] = (self.goal[idx[:1]] + rank) % self.num_targets
                 self.last_action[idx], self.t[idx], self.ep_return[idx] = 0.0, 0, 0.0
             return self._obs()
         if seed is not None:
