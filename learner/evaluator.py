@@ -114,6 +114,14 @@ def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int,
 MAX_DEFERRED = 8   # evaluations waiting to be rendered at the end: a bound on the run's last minutes
 
 
+def eval_seed(seed: int, count: int, mode: str = "new") -> int:
+    """The seed the `count`-th evaluation (0-based) of a run with ``trainer.seed`` `seed` resets its envs
+    with (``trainer.eval_seeds``): new episodes each time, or the same ones."""
+    if mode not in ("new", "same"):
+        raise ValueError(f"trainer.eval_seeds: {mode!r} must be 'new' or 'same'")
+    return seed + 1_000_003 + (count if mode == "new" else 0)
+
+
 @dataclass
 class Deferred:
     """An evaluation whose video is rendered at the end of the run: what replays it."""
@@ -311,7 +319,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
             actions: list | None = [] if deferring else None
             per_env: dict[int, float] = {}
             env_metrics: list[dict] = []
-            seed = t.seed + 1_000_003 + count
+            seed = eval_seed(t.seed, count, t.eval_seeds)
             try:
                 returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
                                                        frames=frames, max_frames=t.video.max_frames,

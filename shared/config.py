@@ -116,6 +116,11 @@ class TrainerConfig:
     save_freq: Annotated[int, Range(ge=0)] = 50_000
     """Checkpoint every this many env steps (and always at the end); 0 saves only at the end."""
     num_eval_episodes: Annotated[int, Range(ge=1)] = 10
+    eval_seeds: Literal["new", "same"] = "new"
+    """Which episodes each evaluation plays. new (default): the k-th evaluation resets its envs with
+    seed ``trainer.seed + 1,000,003 + k``, so the curve covers more episodes over a run. same: every
+    evaluation plays the episodes of k = 0 (common random numbers), so two points of the curve differ
+    only by the policy, not by the episodes drawn: what you want when comparing checkpoints."""
     output_dir: str = "outputs"
     use_wandb: bool = False
     """Mirror TensorBoard scalars to Weights & Biases (needs the wandb package)."""
