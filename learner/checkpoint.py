@@ -19,21 +19,28 @@ _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 def save_checkpoint(directory: Path, state: dict[str, Any], version: int, keep: int = 3) -> Path:
     """Write ``ckpt_<version>.pt`` (temp file, fsync, rename: never half-written) and keep the newest `keep`."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"ckpt_{version:08d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
+    path = save_atomic(directory / f"ckpt_{version:08d}.pt", state)
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def save_atomic(path: Path, state: dict[str, Any]) -> Path:
+    """``torch.save`` to `path` through a temp file, fsync and rename: a reader sees the old file or
+    the new one, never half of one, even if the process dies while writing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(directory, os.O_RDONLY)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
     return path
 
 

@@ -8,6 +8,7 @@ back to the learner as a small ``kind="eval"`` message. Training never waits for
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -18,11 +19,12 @@ import torch
 import zmq
 from tensordict import TensorDict
 
+from learner.checkpoint import load_checkpoint, save_atomic
 from shared import keys, wire
 from shared.config import Config, config_from_dict
 from shared.envs import make_env
 from shared.metrics import mean_metrics
-from shared.policies import make_policy
+from shared.policies import frozen_digest, make_policy, published_state
 from shared.security import CurveClient
 from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
@@ -120,6 +122,72 @@ def eval_seed(seed: int, count: int, mode: str = "new") -> int:
     if mode not in ("new", "same"):
         raise ValueError(f"trainer.eval_seeds: {mode!r} must be 'new' or 'same'")
     return seed + 1_000_003 + (count if mode == "new" else 0)
+
+
+def eval_score(returns: list[float], successes: list[bool]) -> tuple[str, float]:
+    """What ``trainer.keep_best`` ranks evaluations by: the success rate where the env reports
+    success, else the mean return."""
+    if successes:
+        return "success_rate", sum(successes) / len(successes)
+    return "return_mean", (sum(returns) / len(returns)) if returns else float("nan")
+
+
+class BestKeeper:
+    """``trainer.keep_best``: ``RUN_DIR/checkpoints/best.pt``, rewritten (atomically) whenever an
+    evaluation beats every earlier one. It holds what a weights message carries (the trained
+    tensors and normaliser statistics; a frozen base is named by its digest) plus the version, env
+    steps and score it was chosen for. On a resumed run the kept file's score stays the bar; on a
+    new run it is replaced by the first evaluation. A file that cannot be written is logged and
+    counted, never fatal."""
+
+    NAME = "best.pt"
+
+    def __init__(self, run_dir: str | Path | None, enabled: bool, resume: bool = False):
+        self.path = Path(run_dir) / "checkpoints" / self.NAME if enabled and run_dir is not None else None
+        self.score: float | None = None
+        self.metric: str | None = None
+        self.version: int | None = None
+        self.failures = 0
+        if self.path is None or not self.path.is_file():
+            return
+        if not resume:
+            log.info("evaluator: %s is from an earlier run in this directory: the first evaluation replaces it",
+                     self.path)
+            return
+        try:
+            state = load_checkpoint(self.path)
+            self.score, self.metric = float(state["eval"]["score"]), str(state["eval"]["metric"])
+            self.version = int(state["version"])
+            log.info("evaluator: resumed with %s (version %d, %s %.4g) as the best so far", self.path,
+                     self.version, self.metric, self.score)
+        except Exception as e:   # unreadable: the next evaluation writes a good one
+            log.warning("evaluator: cannot read %s (%s: %s): the next evaluation replaces it", self.path,
+                        type(e).__name__, e)
+
+    def offer(self, policy: torch.nn.Module, returns: list[float], successes: list[bool], *, version: int,
+              env_steps: int, seed: int) -> bool:
+        """Keep `policy` if this evaluation's score beats the best so far. Returns whether it did."""
+        if self.path is None:
+            return False
+        metric, score = eval_score(returns, successes)
+        if not math.isfinite(score):
+            return False
+        if self.score is not None and metric == self.metric and score <= self.score:
+            return False
+        state = {"policy": {k: v.detach().to("cpu", copy=True) for k, v in published_state(policy).items()},
+                 "base_digest": frozen_digest(policy), "version": int(version), "env_steps": int(env_steps),
+                 "eval": {"metric": metric, "score": float(score), "episodes": len(returns), "seed": int(seed),
+                          "time": time.time()}}
+        try:
+            save_atomic(self.path, state)
+        except Exception as e:   # a full disk must not end the evaluator
+            self.failures += 1
+            log.warning("evaluator: could not write %s: %s: %s", self.path, type(e).__name__, e)
+            return False
+        self.score, self.metric, self.version = float(score), metric, int(version)
+        log.info("evaluator: version %d is the best so far (%s %.4g on %d episodes): %s", version, metric, score,
+                 len(returns), self.path)
+        return True
 
 
 @dataclass
@@ -255,7 +323,8 @@ class VideoRecorder:
 
 
 def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int,
-                  curve: dict[str, str] | None = None, token: str | None = None, run_dir: str | None = None) -> None:
+                  curve: dict[str, str] | None = None, token: str | None = None, run_dir: str | None = None,
+                  resume: bool = False) -> None:
     """Entry point of the evaluator process (spawned by the learner). Results go to the learner's
     evaluator socket (``endpoints["eval"]``, loopback) with the per-run `token` the learner gave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C reaches the learner; it stops us
@@ -270,6 +339,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu", render=t.video.every > 0)
     policy = make_policy(cfg, env.spec).eval()
     video = VideoRecorder(cfg, run_dir, env)
+    best = BestKeeper(run_dir, t.keep_best, resume)
     if video.enabled:
         if video.when == "end":
             log.info("evaluator: videos are rendered when training ends (trainer.video.when %r: %d CPUs for "
@@ -339,6 +409,8 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                     video.write(frames, version, steps)
                 elif actions:
                     video.defer(seed, version, steps, actions, per_env)
+            kept = (isinstance(version, int) and not isinstance(version, bool)
+                    and best.offer(policy, returns, successes, version=version, env_steps=steps, seed=seed))
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
@@ -346,6 +418,8 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                         returns=returns, lengths=lengths, successes=successes, final=final,
                         metrics=mean_metrics(env_metrics),
                         eval_s=time.perf_counter() - t0,
+                        **({"best": kept, "best_version": best.version, "best_score": best.score}
+                           if best.score is not None else {}),
                         **({"video_frames_pending": video.pending_frames()} if final else {}))
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
             if final and video.deferred:   # training is over: render what was kept for now

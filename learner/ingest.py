@@ -94,9 +94,16 @@ def check_eval(meta: dict) -> dict:
     if not (_is_int(pending) and 0 <= pending <= 10_000_000):
         raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: video_frames_pending must be an "
                               f"int in [0, 1e7], got {pending!r}")
+    best = {}
+    if "best_score" in meta:   # trainer.keep_best: the evaluator's best so far
+        score, version, kept = meta.get("best_score"), meta.get("best_version"), meta.get("best")
+        if not (_is_num(score) and math.isfinite(score) and _is_int(version) and isinstance(kept, bool)):
+            raise RejectedMessage(f"malformed eval result from {meta.get('sender')!r}: best_score (a finite number), "
+                                  f"best_version (an int) and best (a bool) go together")
+        best = {"best_score": float(score), "best_version": version, "best": kept}
     return {"returns": [float(r) for r in returns], "lengths": lengths, "successes": successes,
             "version": meta["version"], "env_steps": meta["env_steps"], "final": bool(meta.get("final")),
-            "metrics": clean_metrics(metrics), "video_frames_pending": pending}
+            "metrics": clean_metrics(metrics), "video_frames_pending": pending, **best}
 
 
 def message_limits(template: TensorDictBase) -> tuple[int, int]:

@@ -259,6 +259,7 @@ class Learner:
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue(maxsize=64)   # results from the evaluator
         self.last_eval: dict | None = None
+        self.best_eval: dict | None = None      # trainer.keep_best: the evaluator's best.pt, as it reports it
         self.start_time = time.time()
         self.accepting = True          # False once the run's env steps are all in (LearnerRun._drain)
         # Asked between minibatches: True (a stop signal; LearnerRun sets it) cuts the update short, so
@@ -748,6 +749,10 @@ class Learner:
                           **{f"eval/metrics/{k}": v for k, v in metrics.items()},
                           "env_steps": int(meta.get("env_steps", self.env_steps)),
                           "version": int(meta.get("version", -1)), "time": time.time()}
+        if "best_score" in meta:
+            self.best_eval = {"version": meta["best_version"], "score": meta["best_score"],
+                              "path": "checkpoints/best.pt"}
+            self.last_eval["eval/best_score"] = meta["best_score"]
         if self.logger is not None:
             self.logger.scalars(self.last_eval["env_steps"], {k: v for k, v in self.last_eval.items()
                                                                 if k.startswith("eval/")},

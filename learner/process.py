@@ -184,7 +184,7 @@ class LearnerRun:
             target=run_evaluator, name="tandem-evaluator", daemon=True,
             args=(self.cfg.to_dict(), self.cfg.source, endpoints, os.getpid(),
                   self.curve.client_for_child().to_strings() if self.curve is not None else None, self.eval_token,
-                  str(self.run_dir)))
+                  str(self.run_dir), self.learner.resumed_from is not None))
         self.eval_proc.start()
 
     # ================================================================ main loop
@@ -346,6 +346,7 @@ class LearnerRun:
                    "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
                    **({f"last_eval/{k.removeprefix('eval/')}": v for k, v in learner.last_eval.items()}
                       if learner.last_eval else {}),
+                   **({f"best/{k}": v for k, v in learner.best_eval.items()} if learner.best_eval else {}),
                    "incarnation": learner.incarnation,
                    "resumed_from": str(learner.resumed_from) if learner.resumed_from else None,
                    "exit_code": exit_code, "stopped_by": self.reason[0] if self.reason else None}

@@ -121,6 +121,14 @@ class TrainerConfig:
     seed ``trainer.seed + 1,000,003 + k``, so the curve covers more episodes over a run. same: every
     evaluation plays the episodes of k = 0 (common random numbers), so two points of the curve differ
     only by the policy, not by the episodes drawn: what you want when comparing checkpoints."""
+    keep_best: bool = False
+    """The evaluator writes ``RUN_DIR/checkpoints/best.pt`` each time an evaluation beats every
+    earlier one of the run (success rate where the env reports success, else mean return): the
+    trained tensors of the version it evaluated, with that version, its env steps and the score.
+    ``launch/evaluate.py RUN_DIR --checkpoint best`` then measures it on held-out episodes. Pair it
+    with ``eval_seeds: "same"``, so that scores differ by the policy and not by the episodes drawn,
+    and report the held-out figure, not the score it was chosen on (that one is biased upwards).
+    After ``--resume`` the kept best stays the bar to beat."""
     output_dir: str = "outputs"
     use_wandb: bool = False
     """Mirror TensorBoard scalars to Weights & Biases (needs the wandb package)."""

@@ -274,7 +274,7 @@ def test_run_local_two_actors_versions(tmp_path):
                 pass
 
     run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "6000", "--set", "trainer.eval_freq=2000",
-                 probe_python=True)
+                 "--set", "trainer.keep_best=true", "--set", 'trainer.eval_seeds="same"', probe_python=True)
     try:
         rc = run.wait(RUN_TIMEOUT_S, every=grab_endpoints)
         assert rc == 0, run.output()
@@ -320,6 +320,21 @@ def test_run_local_two_actors_versions(tmp_path):
     assert 6000 <= ckpt["env_steps"] <= summary["env_steps"]
 
     assert list(run_dir.glob("events.out.tfevents.*")), "no TensorBoard events file"
+
+    # trainer.keep_best: best.pt holds the evaluated version with the highest return (the earliest of a tie)
+    best = load_ckpt(run_dir / "checkpoints" / "best.pt")
+    top = max(m["eval/return_mean"] for m in evals)
+    first_top = next(m for m in evals if m["eval/return_mean"] == top)
+    assert best["eval"]["metric"] == "return_mean" and best["eval"]["score"] == pytest.approx(top)
+    assert best["version"] == first_top["version"] == summary["best/version"], (best["version"], evals, summary)
+    assert set(best["policy"]) == set(ckpt["policy"])
+    assert evals[-1]["eval/best_score"] == pytest.approx(top)
+    out = tmp_path / "best_eval.json"
+    ev = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), str(run_dir), "--checkpoint", "best",
+                         "--episodes", "4", "--json", str(out)], capture_output=True, text=True, timeout=120,
+                        env=_env())
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    assert json.loads(out.read_text())["version"] == best["version"]
 
 
 @pytest.mark.slow
