@@ -143,6 +143,23 @@ class ActionTokenDistribution(Distribution):
         return self.bins.to_actions(self.bin_logp.argmax(-1))
 
 
+def _cache_arg(trunk: nn.Module) -> str:
+    """The KV-cache argument of `trunk`'s forward: ``cache`` in transformers 5.x (which deprecates
+    ``past_key_values``, warning on every process), ``past_key_values`` before."""
+    cls = type(trunk)
+    name = _CACHE_ARG.get(cls)
+    if name is None:
+        try:
+            params = inspect.signature(trunk.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        name = _CACHE_ARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
+_CACHE_ARG: dict[type, str] = {}
+
+
 @dataclass
 class _Prompt:
     input_ids: torch.Tensor            # [N, P] int64, the prefix
@@ -391,9 +408,13 @@ class ActionTokenPolicy(nn.Module):
             types = torch.ones_like(ids)
             types[:, :n_prefix] = 0
             kwargs["token_type_ids"] = types
-        out = self._trunk()(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                                    use_cache=use_cache, **kwargs)
-        return out.last_hidden_state, (out.past_key_values if use_cache else None)
+        trunk = self._trunk()
+        kwargs[_cache_arg(trunk)] = cache
+        out = trunk(input_ids=ids, attention_mask=mask, use_cache=use_cache, **kwargs)
+        if not use_cache:
+            return out.last_hidden_state, None
+        new_cache = getattr(out, "cache", None)
+        return out.last_hidden_state, (new_cache if new_cache is not None else out.past_key_values)
 
     def _bin_logp(self, h: torch.Tensor) -> torch.Tensor:
         """[N, T, H] hidden states -> [N, T, n_bins] float32 log-softmax over the bin block only."""
