@@ -148,6 +148,7 @@ class BestKeeper:
         self.metric: str | None = None
         self.version: int | None = None
         self.failures = 0
+        self._digest: str | None = None    # the frozen base's, hashed once: it never changes in a run
         if self.path is None or not self.path.is_file():
             return
         if not resume:
@@ -174,8 +175,10 @@ class BestKeeper:
             return False
         if self.score is not None and metric == self.metric and score <= self.score:
             return False
+        if self._digest is None:
+            self._digest = frozen_digest(policy)
         state = {"policy": {k: v.detach().to("cpu", copy=True) for k, v in published_state(policy).items()},
-                 "base_digest": frozen_digest(policy), "version": int(version), "env_steps": int(env_steps),
+                 "base_digest": self._digest, "version": int(version), "env_steps": int(env_steps),
                  "eval": {"metric": metric, "score": float(score), "episodes": len(returns), "seed": int(seed),
                           "time": time.time()}}
         try:

@@ -770,6 +770,8 @@ class Learner:
             rate = self.last_eval.get("eval/success_rate")
             ev = (f"{self.last_eval['eval/return_mean']:.1f}" + (f" ({100 * rate:.0f}% success)" if rate is not None
                                                                  else "") + f" @ {fmt_num(self.last_eval['env_steps'])}")
+            if self.best_eval is not None:
+                ev += f" (best v{self.best_eval['version']}: {self.best_eval['score']:.3g})"
         lag = getattr(self, "last_update_values", {}).get("lag/mean")
         return (f"[learner] {elapsed:6.1f}s | steps {fmt_num(env_steps)}/{fmt_num(self.cfg.trainer.total_steps)} | "
                 f"{env_steps / max(elapsed, 1e-9):6.0f} sps | v{self.version} | return {ret} | eval {ev} | "

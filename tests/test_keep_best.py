@@ -234,3 +234,16 @@ def test_evaluate_errors_on_a_broken_or_foreign_checkpoint(tmp_path, capsys):
     save_config(cfg, empty / "config.json")
     assert evaluate_main([str(empty)]) == 2
     assert "no checkpoint (ckpt_*.pt)" in capsys.readouterr().err
+
+
+def test_learner_logs_and_prints_the_best(tmp_path):
+    from learner.learner import Learner, ListPublisher
+    cfg = config_from_dict({"trainer": {"keep_best": True, "eval_freq": 0, "save_freq": 0},
+                            "env": {"id": "CartPole-v1"}}, source="test")
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    learner.log_eval(check_eval(_eval_meta()))
+    assert learner.best_eval is None and "best" not in learner.progress_line()
+    learner.log_eval(check_eval(_eval_meta(version=6, best=True, best_version=6, best_score=1.5)))
+    assert learner.best_eval == {"version": 6, "score": 1.5, "path": "checkpoints/best.pt"}
+    assert learner.last_eval["eval/best_score"] == 1.5
+    assert "(best v6: 1.5)" in learner.progress_line()
