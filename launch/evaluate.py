@@ -33,13 +33,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
 
-from learner.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
+from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_  # noqa: E402
 from learner.evaluator import evaluate  # noqa: E402
 from shared.config import Config, ConfigError, load_config  # noqa: E402
 from shared.envs import make_env  # noqa: E402
-from shared.policies import frozen_digest, load_weights_, make_policy, published_state  # noqa: E402
+from shared.policies import frozen_digest, make_policy  # noqa: E402
 
 HELD_OUT = 2_000_003   # default seed offset: beyond the in-run evaluations' trainer.seed + 1,000,003 + count
 
@@ -84,12 +83,8 @@ def load_policy_checkpoint(policy: torch.nn.Module, path: Path) -> dict:
     if saved is not None and saved != frozen_digest(policy):
         raise EvaluateError(f"{path} was trained on another base model (frozen weights digest {str(saved)[:16]}, "
                             f"this config's is {frozen_digest(policy)[:16]}): check policy.vla_config.model_path")
-    tensors = state["policy"]
     try:
-        if set(tensors) == set(published_state(policy)):
-            load_weights_(policy, TensorDict({tuple(k.split(".")): v for k, v in tensors.items()}, []))
-        else:   # a checkpoint from before only trained tensors were saved: the whole state dict
-            policy.load_state_dict(tensors)
+        load_policy_tensors_(policy, state["policy"])
     except Exception as e:
         raise EvaluateError(f"{path}: its policy tensors do not fit this config's policy: {e}") from None
     return state

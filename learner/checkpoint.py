@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
+
+from shared.policies import load_weights_, published_state
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 
@@ -59,3 +62,13 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         raise RuntimeError(f"{path}: cannot load checkpoint: {e}") from e
+
+
+def load_policy_tensors_(policy: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's ``policy`` tensors into `policy`: what trains (:func:`published_state`, by
+    dotted name), or, from a checkpoint written before only those were saved, the whole state dict.
+    Raises on a missing, unexpected or misshapen tensor."""
+    if set(tensors) == set(published_state(policy)):
+        load_weights_(policy, TensorDict({tuple(k.split(".")): v for k, v in tensors.items()}, []))
+    else:
+        policy.load_state_dict(tensors)

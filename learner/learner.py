@@ -35,7 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 from actors.rollout import rollout_template, sends_bootstrap_obs
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
-from learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_, save_checkpoint
 from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.grpo import MASK, grpo_advantages, grpo_update
 from learner.logs import RunLogger, fmt_num
@@ -51,7 +51,7 @@ from shared.config import Config
 from shared.console import say
 from shared.envs import EnvSpec, make_env
 from shared.metrics import clean_metrics, mean_metrics
-from shared.policies import (frozen_digest, has_critic, load_weights_, make_policy, published_state,
+from shared.policies import (frozen_digest, has_critic, make_policy, published_state,
                              weights_digest, weights_td)
 from shared.policies.normalization import RewardScaler
 
@@ -807,10 +807,7 @@ class Learner:
             raise RuntimeError(f"--resume: {found[-1]} was trained on another base model (frozen weights digest "
                                f"{saved_base[:16]}, this config's is {self.base_digest[:16]}): check "
                                f"policy.vla_config.model_path")
-        if set(state["policy"]) == set(published_state(self.policy)):
-            load_weights_(self.policy, TensorDict({tuple(k.split(".")): v for k, v in state["policy"].items()}, []))
-        else:   # a checkpoint written before only trained tensors were saved: the whole state dict
-            self.policy.load_state_dict(state["policy"])
+        load_policy_tensors_(self.policy, state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.env_steps, self.updates = state["version"], state["env_steps"], state["updates"]
         if self.ranks is not None and not self.ranks.is_main:
