@@ -80,9 +80,9 @@ def load_policy_checkpoint(policy: torch.nn.Module, path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("policy"), dict):
         raise EvaluateError(f"{path}: not a Tandem checkpoint (no 'policy' tensors)")
     saved = state.get("base_digest")
-    if saved is not None and saved != frozen_digest(policy):
+    if saved is not None and saved != (mine := frozen_digest(policy)):
         raise EvaluateError(f"{path} was trained on another base model (frozen weights digest {str(saved)[:16]}, "
-                            f"this config's is {frozen_digest(policy)[:16]}): check policy.vla_config.model_path")
+                            f"this config's is {mine[:16]}): check policy.vla_config.model_path")
     try:
         load_policy_tensors_(policy, state["policy"])
     except Exception as e:
