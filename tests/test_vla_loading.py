@@ -10,6 +10,7 @@ import doctest
 import json
 import logging
 import sys
+import warnings
 
 import pytest
 import torch
@@ -370,6 +371,19 @@ def test_lora_on_a_transformers_model_trains_only_adapters_and_modules_to_save()
     assert sum(".lora_A." in n for n in trainable) == 4            # q and v in each of the 2 layers
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     assert (sum(p.numel() for p in trainable.values()), frozen) == peft_counts(pm)
+
+
+@needs_hf
+def test_lora_on_a_transformers_model_leaves_no_deprecation_warning_from_peft():
+    """peft reads transformers' deprecated ``is_gradient_checkpointing``; apply_lora silences exactly
+    that warning (it would be in every VLA process's log), and nothing else."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_lora(tiny_llama(), LoRAConfig(r=2, target_modules=["q_proj"]))
+        warnings.warn("a later warning still shows", FutureWarning)
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "is_gradient_checkpointing" in m], messages
+    assert "a later warning still shows" in messages
 
 
 class LlamaActions(nn.Module):

@@ -71,6 +71,7 @@ import importlib
 import inspect
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -357,7 +358,12 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, model_class: str = "") -> nn.
                              target_modules=list(lora.target_modules),
                              modules_to_save=list(lora.modules_to_save) or None)
     try:
-        return peft.get_peft_model(base, config)
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated `is_gradient_checkpointing` itself: a warning in every
+            # VLA process's log that names neither our code nor anything a user can change
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            return peft.get_peft_model(base, config)
     except (ValueError, TypeError) as e:
         raise VLALoadError(f"vla_config.lora.target_modules {lora.target_modules}: {e} (layers of {where} that "
                            f"can take adapters: {exist or 'none'})") from None
