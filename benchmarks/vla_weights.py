@@ -2,14 +2,19 @@
 PaliGemma-class model (random initialisation: no hub here) behind ``ActionTokenPolicy``.
 
     .venv/bin/python benchmarks/vla_weights.py [--size 0.5b] [--lora-r 8] [--batch 1,4] [--actors 1,2]
-                                               [--repeats 3] [--json out.json]
+                                               [--repeats 3] [--devices cpu[,cuda:0]] [--cpu-batch 1]
+                                               [--train-batch 8] [--json out.json]
 
 Reports, all measured in this run on this machine:
 - load time: ``save_pretrained`` of the backbone (sharded safetensors + index), then
   ``load_pretrained`` of that directory (``from_pretrained``, local files only), against reading the
   same bytes with a plain ``torch`` copy (the memory-copy baseline);
 - time per acting step (``action_dist`` + sample + ``value``) at each batch size, in float32 and
-  bfloat16;
+  bfloat16 (bfloat16 weights), and on CUDA also float32 weights under bfloat16 ``autocast``
+  (``vla_config.autocast``), on each device of ``--devices``; on CUDA with the peak memory;
+- on CUDA, and on the CPU where ``--train-batch`` is given with ``cpu`` in ``--devices``, one LoRA
+  training step (the action's log-prob and the value, backward, an AdamW step on what trains) under
+  bfloat16 autocast: time and peak memory;
 - bytes per weights message: what :func:`shared.policies.published_state` sends with LoRA against
   full fine-tuning (every parameter trains), and their ratio (issue 13: at most 2%);
 - publish-to-use to 1 and 2 local actors, ZeroMQ against shared memory, for the LoRA message and the
@@ -54,17 +59,64 @@ def obs(batch: int, image_size: int) -> TensorDict:
                        "instruction": torch.randint(0, 100, (batch, 8), generator=g)}, batch_size=[batch])
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def autocast_ctx(device: torch.device, on: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
 @torch.inference_mode()
-def step_seconds(policy, batch: int, image_size: int, repeats: int) -> float:
-    o = obs(batch, image_size)
+def step_seconds(policy, batch: int, image_size: int, repeats: int, device: torch.device = torch.device("cpu"),
+                 autocast: bool = False) -> float:
+    o = obs(batch, image_size).to(device)
     times = []
     for i in range(repeats + 1):
+        sync(device)
         t0 = time.perf_counter()
-        dist = policy.action_dist(o)
-        dist.sample()
-        policy.value(o)
+        with autocast_ctx(device, autocast):
+            dist = policy.action_dist(o)
+            dist.sample()
+            policy.value(o)
+        sync(device)
         if i:
             times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def train_step_seconds(policy, batch: int, image_size: int, repeats: int, device: torch.device) -> float:
+    """One learner step on what trains: log-prob of given actions + value, backward, AdamW, under bf16 autocast."""
+    o = obs(batch, image_size).to(device)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    with torch.no_grad(), autocast_ctx(device, True):
+        actions = policy.action_dist(o).sample()
+    times = []
+    for i in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        with autocast_ctx(device, True):
+            dist = policy.action_dist(o)
+            loss = -dist.log_prob(actions).float().mean() + policy.value(o).float().pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    opt.zero_grad(set_to_none=True)
     return statistics.median(times)
 
 
@@ -76,6 +128,10 @@ def main() -> int:
     p.add_argument("--actors", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-broadcast", action="store_true", help="skip the publish-to-use measurements")
+    p.add_argument("--devices", default="cpu", help="comma-separated: where acting steps are timed (cpu, cuda:0)")
+    p.add_argument("--cpu-batch", default=None, help="batch sizes on the CPU (default: --batch)")
+    p.add_argument("--train-batch", type=int, default=None,
+                   help="batch of the LoRA training step (default: 8 on CUDA, not timed on the CPU)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -83,7 +139,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    policy = PaliGemmaActionTokenPolicy(size=args.size, action_dim=7, reserve_tail=64).eval()   # PaliGemma: <image> is id 257152
+    # PaliGemma: <image> is id 257152, so the bin block ends 64 ids before the vocabulary does (tiny: 255, below it)
+    policy = PaliGemmaActionTokenPolicy(size=args.size, action_dim=7, reserve_tail=0 if args.size == "tiny" else 64).eval()
     out["build_s"] = time.perf_counter() - t0
     backbone = policy.model
     total_params = sum(p.numel() for p in policy.parameters())
@@ -113,16 +170,31 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    batches = [int(b) for b in args.batch.split(",")]
-    out["step_s"] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        policy.to(dtype)
-        for b in batches:
-            s = step_seconds(policy, b, image_size, args.repeats)
-            out["step_s"][f"{str(dtype).split('.')[-1]}_b{b}"] = s
-            print(f"[vla] acting step, {dtype}, batch {b}: {s:.3f} s ({s / b:.3f} s per env)", flush=True)
-    policy.to(torch.bfloat16)
-
+    devices = [torch.device(d) for d in args.devices.split(",")]
+    for d in devices:
+        if d.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--devices names {d} but torch.cuda.is_available() is False")
+    out["devices"] = {str(d): (torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu") for d in devices}
+    out["step_s"], out["peak_gib"] = {}, {}
+    for d in devices:
+        batches = [int(b) for b in ((args.cpu_batch or args.batch) if d.type == "cpu" else args.batch).split(",")]
+        modes = [(torch.float32, False), (torch.bfloat16, False)] + ([(torch.float32, True)] if d.type == "cuda" else [])
+        for dtype, autocast in modes:
+            policy.to(device=d, dtype=dtype)
+            for b in batches:
+                reset_peak(d)
+                s = step_seconds(policy, b, image_size, args.repeats, d, autocast)
+                name = "autocast" if autocast else str(dtype).split('.')[-1]
+                key = f"{name}_b{b}" if d.type == "cpu" else f"{d}_{name}_b{b}"   # CPU keys as before
+                out["step_s"][key] = s
+                mem = peak_gib(d)
+                if mem is not None:
+                    out["peak_gib"][key] = mem
+                print(f"[vla] acting step on {d}, {name}, batch {b}: {s:.4f} s ({s / b:.4f} s per env)"
+                      + (f", peak {mem:.2f} GiB" if mem is not None else ""), flush=True)
+    policy.to(device="cpu", dtype=torch.bfloat16)
+    if any(d.type == "cuda" for d in devices):
+        torch.cuda.empty_cache()
     full_bytes = nbytes(published_state(policy).values())   # every parameter trains
     apply_lora(policy, LoRAConfig(r=args.lora_r, alpha=2.0 * args.lora_r, target_modules=["q_proj", "v_proj"]),
                "PaliGemmaActionTokenPolicy")
@@ -134,6 +206,22 @@ def main() -> int:
     print(f"[vla] weights message: full fine-tuning {full_bytes / 2**20:.1f} MiB, LoRA r={args.lora_r} "
           f"{lora_bytes / 2**20:.2f} MiB ({len(lora_state)} tensors, {trainable / 1e6:.2f}M trainable of "
           f"{total_params / 1e6:.1f}M) = {100 * lora_bytes / full_bytes:.2f}% of full", flush=True)
+
+    out["train_step_s"] = {}
+    for d in devices:
+        if d.type == "cpu" and args.train_batch is None:
+            continue
+        b = args.train_batch or 8
+        policy.to(device=d, dtype=torch.float32)
+        reset_peak(d)
+        s = train_step_seconds(policy, b, image_size, args.repeats, d)
+        mem = peak_gib(d)
+        out["train_step_s"][f"{d}_b{b}"] = s
+        if mem is not None:
+            out["peak_gib"][f"{d}_train_b{b}"] = mem
+        print(f"[vla] LoRA training step on {d} (float32 weights, bf16 autocast), batch {b}: {s:.4f} s"
+              + (f", peak {mem:.2f} GiB" if mem is not None else ""), flush=True)
+    policy.to(device="cpu", dtype=torch.bfloat16)
 
     if not args.no_broadcast:
         import weights_broadcast as wb

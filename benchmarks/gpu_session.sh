@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Every CUDA check and measurement Tandem has, as one command for a GPU lent for a few minutes
+# (benchmarks/README.md, "CUDA"): each step has its own time limit, a step that fails does not stop
+# the next, and the whole stays inside BUDGET seconds (the unit tests, last, get what is left).
+#
+#   benchmarks/gpu_session.sh OUTDIR [BUDGET_S]
+#
+# OUTDIR gets log.txt (everything printed), vla_weights.json and runs.tgz (each run's summary.json,
+# logs and TensorBoard events). A .whl/ folder in the repository root, if any, is installed first
+# into /tmp/site (wheels carried to a machine that has no package registry). Python: $TANDEM_PYTHON,
+# else python3; the project is used from this checkout (PYTHONPATH), not installed.
+#
+# Steps, in order of what matters most:
+#   1. the device and the packages; pytest -m gpu (tests/test_cuda.py and the collector on CUDA)
+#   2. benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
+#      bfloat16 and bf16 autocast at batch 1/8/32, a LoRA training step, peak memory
+#   3. HalfCheetah PPO (configs/halfcheetah_ppo.json, 61,440 steps): learner on cpu, then on cuda:0
+#   4. the pretrained action-token Reach model, LoRA PPO, 16,384 steps: learner and actors on cpu,
+#      then on cuda:0
+#   5. the 0.5B action-token model through the launcher in vla mode on cuda:0 (bf16 autocast): each
+#      process builds it, the model's own forward pass is the inference cost
+#   6. the unit tests (not slow), in parallel where pytest-xdist is installed
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUTDIR="${1:?usage: benchmarks/gpu_session.sh OUTDIR [BUDGET_S]}"
+BUDGET="${2:-540}"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+exec > >(tee -a "$OUTDIR/log.txt") 2>&1
+START=$(date +%s)
+RUNS=/tmp/tandem-gpu-runs
+rm -rf "$RUNS"; mkdir -p "$RUNS"
+cd "$ROOT" || exit 1
+
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$ROOT"/.whl/*.whl || echo "[gpu] installing the carried wheels failed"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MUJOCO_GL=egl
+export TANDEM_PYTHON="${TANDEM_PYTHON:-$(command -v python3)}"
+PY="$TANDEM_PYTHON"
+# TANDEM_GPU_DEVICE=cpu runs the same steps on the CPU: to check this script on a machine without a GPU.
+DEV="${TANDEM_GPU_DEVICE:-cuda:0}"
+export TANDEM_TEST_CUDA_DEVICE="$DEV"
+[[ "$DEV" == cpu ]] && DEVICES=cpu || DEVICES="cpu,$DEV"
+
+# step NAME LIMIT_S CMD...: run CMD under at most LIMIT_S seconds, and never past the budget.
+step() {
+  local name=$1 limit=$2 left; shift 2
+  left=$(( BUDGET - ($(date +%s) - START) - 15 ))
+  (( limit > left )) && limit=$left
+  if (( limit < 20 )); then echo "=== [$name] skipped: ${left}s of the budget left"; return; fi
+  echo "=== [$name] start $(date -u +%T), limit ${limit}s: $*"
+  local t0=$(date +%s%N)
+  timeout -k 10 "$limit" "$@"
+  local rc=$? ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  echo "=== [$name] exit $rc after $(( ms / 1000 )).$(( ms % 1000 / 100 )) s"
+}
+
+run() {  # run NAME LIMIT_S --config ... : launch/run_local.sh into $RUNS/NAME
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" "$ROOT/launch/run_local.sh" --out "$RUNS/$name" "$@"
+  [[ -f "$RUNS/$name/summary.json" ]] && "$PY" - "$RUNS/$name/summary.json" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))
+u = max(1, s.get("updates") or 0)
+print(f"[gpu] {sys.argv[1].split('/')[-2]}: env_steps {s.get('env_steps')}, updates {s.get('updates')}, "
+      f"wall {s.get('wall_s', 0):.1f} s, update wall {s.get('time/update_wall_s', 0):.1f} s "
+      f"({s.get('time/update_wall_s', 0) / u:.3f} s per update), collect wall {s.get('time/collect_wall_s', 0):.1f} s, "
+      f"dropped {s.get('dropped_lag')}/{s.get('dropped_other')}, malformed {s.get('malformed')}, exit {s.get('exit_code')}")
+EOF
+}
+
+echo "=== [device] $(date -u) on $(hostname), $(nproc) cores"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+"$PY" - <<'EOF'
+import importlib, sys
+import torch
+print("[gpu] python", sys.version.split()[0], "torch", torch.__version__, "cuda available", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", "transformers", "peft", "tensorboard"):
+    try:
+        print(f"[gpu]   {m} {getattr(importlib.import_module(m), '__version__', '?')}")
+    except Exception as e:
+        print(f"[gpu]   {m} NOT IMPORTABLE: {type(e).__name__}: {e}")
+EOF
+
+step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py
+step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
+  --train-batch 8 --no-broadcast --repeats 3 --json "$OUTDIR/vla_weights.json"
+
+CHEETAH=(--config configs/halfcheetah_ppo.json --steps 61440 --set trainer.eval_freq=0 --set trainer.save_freq=0)
+run cheetah_cpu 100 "${CHEETAH[@]}"
+run cheetah_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV
+
+REACH=(--config configs/vla_tokens_reach_ppo.json --steps 16384 --set trainer.eval_freq=0 --set trainer.save_freq=0
+       --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel)
+run reach_tokens_cpu 120 "${REACH[@]}"
+run reach_tokens_dev 120 "${REACH[@]}" --set learner.device=$DEV --set "actors.devices=[\"$DEV\"]"
+
+run vla0p5b_dev 150 --config configs/vla_tokens_reach_0p5b_smoke.json --set learner.device=$DEV \
+  --set "actors.devices=[\"$DEV\"]" --set policy.vla_config.autocast=true --set trainer.total_steps=64
+
+if "$PY" -c "import xdist" 2>/dev/null; then PAR=(-n 8); else PAR=(); fi
+step unit-tests 600 "$PY" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" -x "${PAR[@]}" tests
+
+tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null
+nvidia-smi --query-compute-apps=pid,name --format=csv,noheader 2>/dev/null
+echo "=== [done] $(( $(date +%s) - START )) s"

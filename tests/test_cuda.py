@@ -1,0 +1,146 @@
+"""CUDA paths of the learner, the actor, the shared-memory weights and the action-token VLA.
+
+Skipped without CUDA. ``TANDEM_TEST_CUDA_DEVICE=cpu`` runs them on the CPU instead, to check the
+tests themselves on a machine without a GPU (they then compare the CPU with itself)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from actors.actor import Actor
+from learner.learner import Learner, ListPublisher
+from shared import keys
+from shared.config import load_config
+from shared.policies import weights_td
+from shared.policies.action_tokens import PaliGemmaActionTokenPolicy
+from shared.shm_weights import ShmWeightsReader, load_published_
+from tests.test_learner_component import CaptureSink, PublisherSource, serial_run, small_config, wired
+
+DEV = os.environ.get("TANDEM_TEST_CUDA_DEVICE", "cuda:0")
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV.startswith("cuda") and not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """TF32 matrix products and convolutions would make CUDA differ from the CPU by ~1e-3."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def on(cfg, device: str = DEV):
+    cfg.learner.device = device
+    cfg.actors.devices = [device]
+    return cfg
+
+
+def cpu_weights(policy) -> TensorDict:
+    return weights_td(policy).to("cpu")
+
+
+def assert_weights_close(a, b, atol: float) -> None:
+    wa, wb = cpu_weights(a), cpu_weights(b)
+    assert set(wa.keys(include_nested=True, leaves_only=True)) == set(wb.keys(include_nested=True, leaves_only=True))
+    for k, t in wa.items(include_nested=True, leaves_only=True):
+        torch.testing.assert_close(t, wb[k], atol=atol, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def test_learner_and_actor_on_the_device_train_and_agree_on_weights():
+    cfg = on(small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=10))
+    learner, trained, published, actor = serial_run(cfg, 3)
+    assert next(learner.policy.parameters()).device == torch.device(DEV)
+    assert next(actor.policy.parameters()).device == torch.device(DEV)
+    assert [int(t[keys.POLICY_VERSION].min()) for t in trained] == [0, 1, 2]
+    assert learner.version == 3 and published[-1][1]["version"] == 3
+    assert actor.step_once() and actor.version == 3
+    assert_weights_close(actor.policy, learner.policy, atol=0)
+
+
+def test_one_update_on_the_device_matches_the_cpu_on_the_same_rollout():
+    cfg_cpu = small_config()
+    learner_cpu, _, sink, actor = wired(cfg_cpu)
+    assert actor.step_once()
+    td, meta = sink.messages[-1]
+    learner_dev = Learner(on(small_config()), run_dir=None, publisher=ListPublisher())
+    assert_weights_close(learner_dev.policy, learner_cpu.policy, atol=0)     # same seed, same initial weights
+    for learner in (learner_cpu, learner_dev):
+        learner.ingest(td.clone(), {**meta, "incarnation": learner.incarnation})   # as if each had published v0
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    assert learner_cpu.version == learner_dev.version == 1
+    assert_weights_close(learner_dev.policy, learner_cpu.policy, atol=1e-4)
+
+
+def test_shared_memory_weights_from_a_device_learner_reach_a_device_actor():
+    cfg = on(small_config(buffer_type="vla"))
+    cfg.learner.weights_transport = "shm"
+    pub = ListPublisher()
+    learner = Learner(cfg, run_dir=None, publisher=pub)
+    try:
+        learner.publish()
+        sink = CaptureSink()
+        actor = Actor(cfg, 0, PublisherSource(pub), sink)
+        assert actor.step_once()
+        learner.ingest(*sink.messages[-1])
+        learner.update_once(*learner.take_batch(timeout_s=0))
+        assert actor.step_once() and actor.version == 1
+        assert_weights_close(actor.policy, learner.policy, atol=0)
+        actor.close()
+        fresh = Actor(cfg, 0, PublisherSource(pub), CaptureSink())
+        reader = ShmWeightsReader()
+        assert load_published_(fresh.policy, *pub.published[-1], reader, DEV)
+        reader.close()
+        assert_weights_close(fresh.policy, learner.policy, atol=0)
+        fresh.close()
+    finally:
+        learner.shm_writer.close()
+
+
+def reach_obs(n: int, device: str) -> TensorDict:
+    g = torch.Generator().manual_seed(0)
+    return TensorDict({"rgb": torch.randint(0, 256, (n, 16, 16, 3), generator=g, dtype=torch.uint8),
+                       "proprio": torch.randn(n, 4, generator=g),
+                       "instruction": torch.randint(0, 100, (n, 8), generator=g)}, batch_size=[n]).to(device)
+
+
+@pytest.mark.parametrize("decoding", ["parallel", "autoregressive"])
+def test_action_token_log_probs_and_entropy_on_the_device_match_the_cpu(decoding):
+    torch.manual_seed(0)
+    cpu = PaliGemmaActionTokenPolicy(size="tiny", action_dim=2, decoding=decoding).eval()
+    dev = PaliGemmaActionTokenPolicy(size="tiny", action_dim=2, decoding=decoding).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to(DEV)
+    with torch.no_grad():
+        d_cpu, d_dev = cpu.action_dist(reach_obs(6, "cpu")), dev.action_dist(reach_obs(6, DEV))
+        a = d_cpu.sample()
+        torch.testing.assert_close(d_dev.log_prob(a.to(DEV)).cpu(), d_cpu.log_prob(a), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(d_dev.entropy().cpu(), d_cpu.entropy(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dev.value(reach_obs(6, DEV)).cpu(), cpu.value(reach_obs(6, "cpu")),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_lora_action_token_vla_trains_on_the_device_and_publishes_only_what_trains(autocast):
+    cfg = on(load_config(ROOT / "configs" / "vla_tokens_reach_smoke.json",
+                         ["actors.num_actors=1", "actors.num_envs=4", "trainer.buffer_size=8",
+                          "algorithm.cfg.batch_size=16", f"policy.vla_config.autocast={str(autocast).lower()}"]))
+    learner, trained, published, actor = serial_run(cfg, 2)
+    assert learner.version == 2
+    weights, meta = published[-1]
+    names = list(weights.keys(include_nested=True, leaves_only=True))
+    dotted = [k if isinstance(k, str) else ".".join(k) for k in names]
+    assert dotted and all("lora_" in k or "value_head" in k for k in dotted), dotted   # the base stays home
+    assert sum(weights[k].numel() for k in names) == sum(p.numel() for p in learner.policy.parameters()
+                                                        if p.requires_grad)
+    for t in trained:
+        assert torch.isfinite(t[keys.LOG_PROB]).all()
+    assert actor.step_once() and actor.version == 2
+    assert_weights_close(actor.policy, learner.policy, atol=0)
