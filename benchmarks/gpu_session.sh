@@ -103,7 +103,7 @@ run vla0p5b_dev 150 --config configs/vla_tokens_reach_0p5b_smoke.json --set lear
   --set "actors.devices=[\"$DEV\"]" --set policy.vla_config.autocast=true --set trainer.total_steps=64
 
 if "$PY" -c "import xdist" 2>/dev/null; then PAR=(-n 8); else PAR=(); fi
-step unit-tests 600 "$PY" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" -x "${PAR[@]}" tests
+step unit-tests 600 "$PY" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${PAR[@]}" tests
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null
 nvidia-smi --query-compute-apps=pid,name --format=csv,noheader 2>/dev/null
