@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # Every CUDA check and measurement Tandem has, as one command for a GPU lent for a few minutes
 # (benchmarks/README.md, "CUDA"): each step has its own time limit, a step that fails does not stop
-# the next, and the whole stays inside BUDGET seconds (the unit tests, last, get what is left).
+# the next, and the whole stays inside BUDGET seconds (later steps get what is left).
 #
-#   benchmarks/gpu_session.sh OUTDIR [BUDGET_S]
+#   [TANDEM_GPU_STEPS="gpu-tests vla-weights ..."] benchmarks/gpu_session.sh OUTDIR [BUDGET_S]
 #
+# TANDEM_GPU_STEPS picks steps by name (default: all but reach-long, in the order below).
 # OUTDIR gets log.txt (everything printed), vla_weights.json and runs.tgz (each run's summary.json,
 # logs and TensorBoard events). A .whl/ folder in the repository root, if any, is installed first
 # into /tmp/site (wheels carried to a machine that has no package registry). Python: $TANDEM_PYTHON,
 # else python3; the project is used from this checkout (PYTHONPATH), not installed.
 #
 # Steps, in order of what matters most:
-#   1. the device and the packages; pytest -m gpu (tests/test_cuda.py and the collector on CUDA)
-#   2. benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
+#   1. the device and the packages (always); gpu-tests: pytest -m gpu (tests/test_cuda.py and the collector on CUDA)
+#   2. vla-weights: benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
 #      bfloat16 and bf16 autocast at batch 1/8/32, a LoRA training step, peak memory
-#   3. HalfCheetah PPO (configs/halfcheetah_ppo.json, 61,440 steps): learner on cpu, then on cuda:0
-#   4. the pretrained action-token Reach model, LoRA PPO, 16,384 steps: learner and actors on cpu,
-#      then on cuda:0
-#   5. the 0.5B action-token model through the launcher in vla mode on cuda:0 (bf16 autocast): each
+#   3. cheetah: HalfCheetah PPO (configs/halfcheetah_ppo.json, 61,440 steps): learner on cpu, then on cuda:0
+#   3b. cheetah-vla: the same on cuda:0 in vla mode (trainer.buffer_type=vla)
+#   4. reach: the pretrained action-token Reach model, LoRA PPO, 16,384 steps: learner and actors on
+#      cpu, then on cuda:0
+#   5. vla0p5b: the 0.5B action-token model through the launcher in vla mode on cuda:0 (bf16 autocast): each
 #      process builds it, the model's own forward pass is the inference cost
-#   6. the unit tests (not slow), in parallel where pytest-xdist is installed
+#   6. unit-tests: the unit tests (not slow), in parallel where pytest-xdist is installed
+#   7. reach-long: step 4 on cuda:0 for 102,400 steps, evaluated (1,000 episodes) at 51,200 and at the end
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUTDIR="${1:?usage: benchmarks/gpu_session.sh OUTDIR [BUDGET_S]}"
@@ -37,7 +40,11 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     "$ROOT"/.whl/*.whl || echo "[gpu] installing the carried wheels failed"
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MUJOCO_GL=egl
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# No run here renders; MuJoCo's EGL backend fails at import where libEGL is missing (CUDA images).
+export MUJOCO_GL="${MUJOCO_GL:-disable}"
+STEPS=" ${TANDEM_GPU_STEPS:-gpu-tests vla-weights cheetah cheetah-vla reach vla0p5b unit-tests} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 export TANDEM_PYTHON="${TANDEM_PYTHON:-$(command -v python3)}"
 PY="$TANDEM_PYTHON"
 # TANDEM_GPU_DEVICE=cpu runs the same steps on the CPU: to check this script on a machine without a GPU.
@@ -86,24 +93,31 @@ for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", 
         print(f"[gpu]   {m} NOT IMPORTABLE: {type(e).__name__}: {e}")
 EOF
 
-step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py
-step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
+want gpu-tests && step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py
+want vla-weights && step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
   --train-batch 8 --no-broadcast --repeats 3 --json "$OUTDIR/vla_weights.json"
 
 CHEETAH=(--config configs/halfcheetah_ppo.json --steps 61440 --set trainer.eval_freq=0 --set trainer.save_freq=0)
-run cheetah_cpu 100 "${CHEETAH[@]}"
-run cheetah_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV
+if want cheetah; then
+  run cheetah_cpu 100 "${CHEETAH[@]}"
+  run cheetah_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV
+fi
+want cheetah-vla && run cheetah_vla_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV --set trainer.buffer_type=vla
 
-REACH=(--config configs/vla_tokens_reach_ppo.json --steps 16384 --set trainer.eval_freq=0 --set trainer.save_freq=0
+REACH=(--config configs/vla_tokens_reach_ppo.json --set trainer.save_freq=0
        --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel)
-run reach_tokens_cpu 120 "${REACH[@]}"
-run reach_tokens_dev 120 "${REACH[@]}" --set learner.device=$DEV --set "actors.devices=[\"$DEV\"]"
-
-run vla0p5b_dev 150 --config configs/vla_tokens_reach_0p5b_smoke.json --set learner.device=$DEV \
+if want reach; then
+  run reach_tokens_cpu 120 "${REACH[@]}" --steps 16384 --set trainer.eval_freq=0
+  run reach_tokens_dev 120 "${REACH[@]}" --steps 16384 --set trainer.eval_freq=0 --set learner.device=$DEV \
+    --set "actors.devices=[\"$DEV\"]"
+fi
+want vla0p5b && run vla0p5b_dev 150 --config configs/vla_tokens_reach_0p5b_smoke.json --set learner.device=$DEV \
   --set "actors.devices=[\"$DEV\"]" --set policy.vla_config.autocast=true --set trainer.total_steps=64
 
 if "$PY" -c "import xdist" 2>/dev/null; then PAR=(-n 8); else PAR=(); fi
-step unit-tests 600 "$PY" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${PAR[@]}" tests
+want unit-tests && step unit-tests 600 "$PY" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${PAR[@]}" tests
+want reach-long && run reach_tokens_long_dev 300 "${REACH[@]}" --steps 102400 --set trainer.eval_freq=51200 \
+  --set learner.device=$DEV --set "actors.devices=[\"$DEV\"]"
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null
 nvidia-smi --query-compute-apps=pid,name --format=csv,noheader 2>/dev/null

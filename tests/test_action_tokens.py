@@ -4,6 +4,7 @@ logits of the Hugging Face model, in every decoding mode, on a tiny random PaliG
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -334,6 +335,10 @@ def test_half_billion_config_on_meta_device():
 
 
 def test_no_torchvision(model):
+    """Nothing Tandem installs brings torchvision, and the adapter never needs it. Where a user's
+    environment has it anyway (CUDA images do), transformers imports it on its own: not ours to check."""
+    if importlib.util.find_spec("torchvision") is not None and not os.environ.get("CI"):
+        pytest.skip("torchvision is installed in this environment, by something other than Tandem")
     dist = ActionTokenPolicy(model, 2).action_dist(reach_obs(1))
     dist.log_prob(dist.sample())
     assert "torchvision" not in sys.modules
