@@ -23,6 +23,8 @@
 #      process builds it, the model's own forward pass is the inference cost
 #   6. unit-tests: the unit tests (not slow), in parallel where pytest-xdist is installed
 #   7. reach-long: step 4 on cuda:0 for 102,400 steps, evaluated (1,000 episodes) at 51,200 and at the end
+#   8. reach-full: the Reach configs as shipped (PPO 200k, then GRPO 400k; 1,000-episode evaluations
+#      every 20k) with learner and actors on cuda:0
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUTDIR="${1:?usage: benchmarks/gpu_session.sh OUTDIR [BUDGET_S]}"
@@ -118,6 +120,13 @@ if "$PY" -c "import xdist" 2>/dev/null; then PAR=(-n 8); else PAR=(); fi
 want unit-tests && step unit-tests 600 "$PY" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${PAR[@]}" tests
 want reach-long && run reach_tokens_long_dev 300 "${REACH[@]}" --steps 102400 --set trainer.eval_freq=51200 \
   --set learner.device=$DEV --set "actors.devices=[\"$DEV\"]"
+if want reach-full; then
+  for algo in ppo grpo; do
+    run "reach_${algo}_full_dev" 600 --config "configs/vla_tokens_reach_${algo}.json" \
+      --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \
+      --set learner.device=$DEV --set "actors.devices=[\"$DEV\"]"
+  done
+fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null
 nvidia-smi --query-compute-apps=pid,name --format=csv,noheader 2>/dev/null
