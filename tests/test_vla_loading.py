@@ -314,6 +314,20 @@ def test_transformers_class_loads_locally_and_equals_the_saved_weights(llama_dir
 
 
 @needs_hf
+def test_loading_draws_no_progress_bar_and_leaves_the_users_setting(llama_dirs, capfd):
+    from transformers.utils import logging as hf_logging
+    _, _, sharded = llama_dirs
+    hf_logging.enable_progress_bar()
+    load_pretrained(str(sharded), LLAMA, {})
+    assert "Loading" not in capfd.readouterr().err            # nothing in each process's log
+    assert hf_logging.is_progress_bar_enabled()                 # as the caller had it
+    hf_logging.disable_progress_bar()
+    load_pretrained(str(sharded), LLAMA, {})
+    assert not hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+
+
+@needs_hf
 def test_transformers_model_config_goes_to_from_pretrained(llama_dirs):
     _, single, _ = llama_dirs
     model = load_pretrained(str(single), LLAMA, {"dtype": "bfloat16"})

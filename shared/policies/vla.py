@@ -214,6 +214,24 @@ def _load_state_(model: nn.Module, state: dict[str, torch.Tensor], where: str, m
 
 # ----------------------------------------------------------------------------- building
 
+@contextlib.contextmanager
+def _no_transformers_progress_bars():
+    """transformers draws a "Loading weights" bar on stderr for every load: in a run it lands in each
+    process's log as carriage-return noise. Off for the load, then as it was."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_pretrained(model_path: str, model_class: str, model_config: dict[str, Any]) -> nn.Module:
     """``model_class.from_pretrained(model_path, local_files_only=True, **model_config)``, never from a hub.
 
@@ -243,7 +261,8 @@ def load_pretrained(model_path: str, model_class: str, model_config: dict[str, A
     except ImportError:
         with_info = False
     try:
-        out = cls.from_pretrained(model_path, **kwargs, **({"output_loading_info": True} if with_info else {}))
+        with _no_transformers_progress_bars():
+            out = cls.from_pretrained(model_path, **kwargs, **({"output_loading_info": True} if with_info else {}))
     except Exception as e:
         raise VLALoadError(f"vla_config.model_path {model_path!r}: {model_class}.from_pretrained failed: "
                            f"{type(e).__name__}: {e}") from None
