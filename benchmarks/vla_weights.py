@@ -78,46 +78,47 @@ def autocast_ctx(device: torch.device, on: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
-@torch.inference_mode()
-def step_seconds(policy, batch: int, image_size: int, repeats: int, device: torch.device = torch.device("cpu"),
-                 autocast: bool = False) -> float:
-    o = obs(batch, image_size).to(device)
+def median_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls after one warm-up, the device synchronised."""
     times = []
     for i in range(repeats + 1):
         sync(device)
         t0 = time.perf_counter()
-        with autocast_ctx(device, autocast):
-            dist = policy.action_dist(o)
-            dist.sample()
-            policy.value(o)
+        fn()
         sync(device)
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@torch.inference_mode()
+def step_seconds(policy, batch: int, image_size: int, repeats: int, device: torch.device = torch.device("cpu"),
+                 autocast: bool = False) -> float:
+    o = obs(batch, image_size).to(device)
+
+    def act():
+        with autocast_ctx(device, autocast):
+            policy.action_dist(o).sample()
+            policy.value(o)
+    return median_seconds(act, device, repeats)
 
 
 def train_step_seconds(policy, batch: int, image_size: int, repeats: int, device: torch.device) -> float:
     """One learner step on what trains: log-prob of given actions + value, backward, AdamW, under bf16 autocast."""
     o = obs(batch, image_size).to(device)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
     with torch.no_grad(), autocast_ctx(device, True):
         actions = policy.action_dist(o).sample()
-    times = []
-    for i in range(repeats + 1):
-        sync(device)
-        t0 = time.perf_counter()
+
+    def step():
         with autocast_ctx(device, True):
-            dist = policy.action_dist(o)
-            loss = -dist.log_prob(actions).float().mean() + policy.value(o).float().pow(2).mean()
+            loss = -policy.action_dist(o).log_prob(actions).float().mean() + policy.value(o).float().pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
+    seconds = median_seconds(step, device, repeats)
     opt.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return seconds
 
 
 def main() -> int:
