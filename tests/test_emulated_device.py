@@ -4,7 +4,6 @@ share a device never infer at the same moment, across processes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,10 +16,9 @@ from actors.rollout import Collector
 from shared.config import ConfigError, config_from_dict
 from shared.envs import make_env
 from shared.policies import make_policy
+from tests.children import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
-# Children import this checkout first and keep the caller's path (packages installed with --target).
-CHILD_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # One "actor": a real Collector on CartPole whose policy records the interval of every forward pass
 # (made 10 ms long), with the emulated device named on the command line.
@@ -66,7 +64,7 @@ def _run(tmp_path: Path, names: tuple[str, ...]) -> list[list[tuple[float, float
             procs.append(subprocess.Popen([sys.executable, "-c", ACTOR, str(tmp_path / "devices"), name,
                                            str(tmp_path / f"spans{i}.json")], cwd=ROOT, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True,
-                                          env={"PYTHONPATH": CHILD_PYTHONPATH, "OMP_NUM_THREADS": "1",
+                                          env={"PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1",
                                                "PATH": "/usr/bin:/bin"}))
         for p in procs:
             assert p.stdout.readline().strip() == "ready"

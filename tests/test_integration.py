@@ -23,6 +23,8 @@ import psutil
 import pytest
 import torch
 
+from tests.children import child_pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "cartpole_ppo.json"
 LAUNCH = ROOT / "launch" / "run_local.sh"
@@ -36,7 +38,7 @@ GONE_TIMEOUT_S = 10      # how long processes may take to disappear after their 
 
 def _env(launcher_python: bool = False) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = child_pythonpath()
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     if launcher_python:

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.children import child_pythonpath
 from tests.test_integration import read_jsonl
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-# Children import this checkout first and keep the caller's path (packages installed with --target).
-CHILD_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 CONFIG = ROOT / "configs" / "cartpole_ppo.json"
 LEARNER_IP, ACTOR_IP = "10.77.0.1", "10.77.0.2"
 
@@ -64,7 +63,7 @@ def two_hosts():
 
 
 def _start(ns: str, args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(["ip", "netns", "exec", ns, *args], cwd=ROOT, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -127,7 +126,7 @@ def test_train_across_namespaces_with_curve_and_refuse_keyless_peers(two_hosts, 
         endpoints = json.loads((run / "endpoints.json").read_text())
         assert endpoints["rollouts"].startswith(f"tcp://{LEARNER_IP}:")
         probe = subprocess.run(["ip", "netns", "exec", actor_ns, sys.executable, "-c", PROBE, str(run / "endpoints.json"),
-                                str(keys), str(tmp_path)], cwd=ROOT, env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
+                                str(keys), str(tmp_path)], cwd=ROOT, env={**os.environ, "PYTHONPATH": child_pythonpath()},
                                capture_output=True, text=True, timeout=60)
         assert probe.returncode == 0, probe.stderr
         refused = json.loads(probe.stdout.strip().splitlines()[-1])

@@ -21,10 +21,9 @@ from shared.config import config_from_dict  # noqa: E402
 from shared.envs import make_env  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.video import frame_strip, read_mp4, write_mp4  # noqa: E402
+from tests.children import child_pythonpath  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# Children import this checkout first and keep the caller's path (packages installed with --target).
-CHILD_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def _reach_cfg(**video):
@@ -202,7 +201,7 @@ evaluate(None, env, 2, seed=0, frames=replayed, replay=actions)   # trainer.vide
 assert len(replayed[1]) == len(frames[1]) and all(np.array_equal(a, b) for a, b in zip(frames[1], replayed[1]))
 print(lengths[1], v.shape, float(v.std()))
 """
-    env = {**os.environ, "MUJOCO_GL": "egl", "PYTHONPATH": CHILD_PYTHONPATH}
+    env = {**os.environ, "MUJOCO_GL": "egl", "PYTHONPATH": child_pythonpath()}
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if p.returncode != 0 and "egl" in p.stderr.lower() and "error" in p.stderr.lower():
         pytest.skip(f"no off-screen OpenGL (EGL) here: {p.stderr.strip().splitlines()[-1]}")
