@@ -25,6 +25,17 @@
 #   7. reach-long: step 4 on cuda:0 for 102,400 steps, evaluated (1,000 episodes) at 51,200 and at the end
 #   8. reach-full: the Reach configs as shipped (PPO 200k, then GRPO 400k; 1,000-episode evaluations
 #      every 20k) with learner and actors on cuda:0
+#   9. mjwarp: MuJoCo Warp on the device: tests/test_mjwarp.py there (physics against C MuJoCo, the
+#      batched protocol, a launcher run), benchmarks/sim_throughput.py (env steps/s alone and in an
+#      actor's collector, 256-16384 envs, against gymnasium's C MuJoCo on one CPU core), and PPO through
+#      the launcher with 2 actors of 1,024 envs and the learner on the device
+#
+# MuJoCo Warp where no registry is reachable: the warp-lang wheel (149 MB) is more than one device call
+# carries, so it travels in pieces, staged by earlier calls into $WARP_STAGE (default /tmp/warp-stage):
+# warp.so.xz.NN (Warp's CUDA library, xz-compressed, split; warp.so.xz.sha256), warp_pkg.tar.xz (the
+# rest of the package, without its CPU compiler warp-clang.so: Warp's CPU device is then unavailable)
+# and wheels/*.whl (mujoco-warp and its pure-Python dependencies). A call stages what it carries with
+#   mkdir -p /tmp/warp-stage && cp -r .warp/*/* /tmp/warp-stage/
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUTDIR="${1:?usage: benchmarks/gpu_session.sh OUTDIR [BUDGET_S]}"
@@ -41,6 +52,24 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$ROOT"/.whl/*.whl || echo "[gpu] installing the carried wheels failed"
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+WARP_STAGE="${WARP_STAGE:-/tmp/warp-stage}"
+install_warp() {   # from the pieces in $WARP_STAGE (above) into /tmp/site
+  local parts=("$WARP_STAGE"/warp.so.xz.[0-9][0-9])
+  mkdir -p /tmp/site && cat "${parts[@]}" > /tmp/warp.so.xz || return 1
+  if [[ -f "$WARP_STAGE/warp.so.xz.sha256" ]]; then
+    (cd /tmp && sha256sum --quiet -c "$WARP_STAGE/warp.so.xz.sha256") || { echo "[gpu] ${parts[*]}: checksum differs"; return 1; }
+  fi
+  tar -xJf "$WARP_STAGE/warp_pkg.tar.xz" -C /tmp/site && xz -dc /tmp/warp.so.xz > /tmp/site/warp/bin/warp.so || return 1
+  rm -f /tmp/warp.so.xz
+  if compgen -G "$WARP_STAGE/wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$WARP_STAGE"/wheels/*.whl || return 1
+  fi
+}
+if [[ -f "$WARP_STAGE/warp_pkg.tar.xz" ]] && compgen -G "$WARP_STAGE/warp.so.xz.[0-9][0-9]" >/dev/null; then
+  install_warp && echo "[gpu] MuJoCo Warp installed from $WARP_STAGE" || echo "[gpu] installing MuJoCo Warp from $WARP_STAGE failed"
+  [[ ":${PYTHONPATH:-}:" == *":/tmp/site:"* ]] || export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # No run here renders; MuJoCo's EGL backend fails at import where libEGL is missing (CUDA images).
@@ -88,7 +117,8 @@ import importlib, sys
 import torch
 print("[gpu] python", sys.version.split()[0], "torch", torch.__version__, "cuda available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", "transformers", "peft", "tensorboard"):
+for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", "transformers", "peft", "tensorboard",
+          "warp", "mujoco_warp"):
     try:
         print(f"[gpu]   {m} {getattr(importlib.import_module(m), '__version__', '?')}")
     except Exception as e:
@@ -126,6 +156,14 @@ if want reach-full; then
       --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \
       --set learner.device=$DEV --set "actors.devices=[\"$DEV\"]"
   done
+fi
+if want mjwarp; then
+  TANDEM_TEST_MJWARP_DEVICE=$DEV step mjwarp-tests 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_mjwarp.py
+  step mjwarp-throughput 200 "$PY" benchmarks/sim_throughput.py --devices "$DEV" --num-envs 256,1024,4096,16384 \
+    --baseline HalfCheetah-v5 --baseline-envs 16 --seconds 5 --json "$OUTDIR/sim_throughput.json"
+  run mjwarp_dev 150 --config configs/mjwarp_halfcheetah_ppo.json --steps 655360 --set actors.num_envs=1024 \
+    --set "actors.devices=[\"$DEV\"]" --set learner.device=$DEV --set algorithm.cfg.batch_size=4096 \
+    --set trainer.eval_freq=327680 --set trainer.save_freq=0
 fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null

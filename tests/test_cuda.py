@@ -5,20 +5,25 @@ tests themselves on a machine without a GPU (they then compare the CPU with itse
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from tensordict import TensorDict
+from torch import nn
 
 from actors.actor import Actor
+from actors.rollout import Collector
 from learner.learner import Learner, ListPublisher
 from shared import keys
 from shared.config import load_config
-from shared.policies import weights_td
+from shared.envs import make_env
+from shared.policies import make_policy, weights_td
 from shared.policies.action_tokens import PaliGemmaActionTokenPolicy
 from shared.shm_weights import ShmWeightsReader, load_published_
+from tests.test_envs_policies import cfg_for
 from tests.test_learner_component import CaptureSink, PublisherSource, serial_run, small_config, wired
 
 DEV = os.environ.get("TANDEM_TEST_CUDA_DEVICE", "cuda:0")
@@ -77,6 +82,52 @@ def test_one_update_on_the_device_matches_the_cpu_on_the_same_rollout():
         learner.update_once(*learner.take_batch(timeout_s=0))
     assert learner_cpu.version == learner_dev.version == 1
     assert_weights_close(learner_dev.policy, learner_cpu.policy, atol=1e-4)
+
+
+class Greedy(nn.Module):
+    """A policy acting with its mean action: a CPU simulator then sees the same actions whichever
+    device the policy runs on (sampling would draw from each device's own generator)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.inner, self.critic = policy, policy.critic
+
+    def forward(self, td):
+        return self.inner(td, deterministic=True)
+
+    def get_value(self, td):
+        return self.inner.get_value(td)
+
+
+def test_a_device_actor_sends_the_rollout_it_collected_and_the_cpu_collects_the_same():
+    """Rollouts are assembled on the device and copied into pinned host memory without blocking,
+    two storages in turn. Each host rollout equals its device storage as it was when collected
+    (not as the next rollout leaves it), and the same greedy policy on the CPU, on the same CPU
+    simulator and seed, collects the same steps (truncation and its bootstrap value included)."""
+    cfg = cfg_for("Pendulum-v1")
+    torch.manual_seed(0)
+    base = make_policy(cfg, make_env("Pendulum-v1", 1).spec)
+    runs = {}
+    for device in ("cpu", DEV):
+        env = make_env("Pendulum-v1", 4, {"max_episode_steps": 12})
+        collector = Collector(env, Greedy(copy.deepcopy(base).to(device)), num_steps=8, seed=3)
+        rollouts, at_collection = [], []
+        for version in (1, 2):
+            td, _, idx = collector.collect(version=version)
+            assert td[keys.OBS].device.type == "cpu" and idx == version - 1
+            assert td[keys.OBS].is_pinned() == (torch.device(device).type == "cuda")
+            rollouts.append(td)
+            at_collection.append((collector._dev if collector._dev is not None else td).to("cpu").clone())
+        for td, then in zip(rollouts, at_collection):     # the first is intact after the second
+            assert (td == then).all(), f"{device}: a host rollout differs from what was collected"
+        runs[device] = torch.cat([t.clone() for t in rollouts], dim=1)
+        env.close()
+    cpu, dev = runs["cpu"], runs[DEV]
+    assert bool(cpu[keys.TRUNCATED].any())                 # step 12 truncates: bootstrap values taken
+    for k in (keys.DONE, keys.TERMINATED, keys.TRUNCATED, keys.POLICY_VERSION):
+        assert torch.equal(cpu[k], dev[k]), k
+    for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.REWARD, keys.VALUE, keys.NEXT_VALUE):
+        torch.testing.assert_close(dev[k], cpu[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def test_shared_memory_weights_from_a_device_learner_reach_a_device_actor():
