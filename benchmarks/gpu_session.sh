@@ -163,7 +163,7 @@ if want mjwarp; then
     --baseline HalfCheetah-v5 --baseline-envs 16 --seconds 5 --json "$OUTDIR/sim_throughput.json"
   run mjwarp_dev 150 --config configs/mjwarp_halfcheetah_ppo.json --steps 655360 --set actors.num_envs=1024 \
     --set "actors.devices=[\"$DEV\"]" --set learner.device=$DEV --set algorithm.cfg.batch_size=4096 \
-    --set trainer.eval_freq=327680 --set trainer.save_freq=0
+    --set trainer.eval_device=$DEV --set trainer.eval_freq=327680 --set trainer.save_freq=0
 fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null

@@ -339,8 +339,8 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
         if not os.environ.get("DISPLAY"):
             os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
         os.environ.setdefault("LP_NUM_THREADS", "1")    # Mesa's software rasteriser: one thread, not one per core
-    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, "cpu", render=t.video.every > 0)
-    policy = make_policy(cfg, env.spec).eval()
+    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, t.eval_device, render=t.video.every > 0)
+    policy = make_policy(cfg, env.spec).to(t.eval_device).eval()
     video = VideoRecorder(cfg, run_dir, env)
     best = BestKeeper(run_dir, t.keep_best, resume)
     if video.enabled:
@@ -381,7 +381,7 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                     video.render_deferred(env)
                 continue
             try:
-                if not load_published_(policy, td, meta, shm, "cpu"):
+                if not load_published_(policy, td, meta, shm, t.eval_device):
                     continue   # a torn shared-memory read: evaluate the next version instead
             except Exception as e:   # weights that do not fit this policy: skip them, never die
                 log.warning("evaluator: could not load weights version %r: %s", meta.get("version"), e)

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from learner.distributed import Ranks
 from shared.config import Config
 from shared.console import say
-from shared.envs import EnvSpec, make_env
+from shared.envs import EnvSpec, env_spec
 from shared.metrics import clean_metrics, mean_metrics
 from shared.policies import (frozen_digest, has_critic, make_policy, published_state,
                              weights_digest, weights_td)
@@ -145,11 +145,7 @@ def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.opti
 
 
 def env_spec_of(cfg: Config) -> EnvSpec:
-    env = make_env(cfg.env.id, 1, cfg.env.cfg, "cpu")
-    try:
-        return env.spec
-    finally:
-        env.close()
+    return env_spec(cfg.env.id, cfg.env.cfg)
 
 
 class Learner:

@@ -116,6 +116,10 @@ class TrainerConfig:
     save_freq: Annotated[int, Range(ge=0)] = 50_000
     """Checkpoint every this many env steps (and always at the end); 0 saves only at the end."""
     num_eval_episodes: Annotated[int, Range(ge=1)] = 10
+    eval_device: str = "cpu"
+    """Where the evaluator's envs and policy run: ``"cpu"`` (default; it then takes no GPU memory
+    from training), or ``"cuda:N"`` for a simulator that lives on a GPU (``tandem/MJWarpHalfCheetah-v0``,
+    ManiSkill's ``physx_cuda``), which would otherwise run on its CPU backend, if it has one."""
     eval_seeds: Literal["new", "same"] = "new"
     """Which episodes each evaluation plays. new (default): the k-th evaluation resets its envs with
     seed ``trainer.seed + 1,000,003 + k``, so the curve covers more episodes over a run. same: every
@@ -680,9 +684,10 @@ def _check(cfg: Config) -> list[str]:
     if le.curve_secret_key and not a.curve_secret_key:
         errors.append("actors.curve_secret_key: the learner requires CURVE (learner.curve_secret_key is set), "
                       "so actors need keys too")
-    for i, dev in enumerate([*a.devices, le.device]):
+    for i, dev in enumerate([*a.devices, le.device, t.eval_device]):
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
-            where = f"actors.devices[{i}]" if i < len(a.devices) else "learner.device"
+            where = (f"actors.devices[{i}]" if i < len(a.devices)
+                     else "learner.device" if i == len(a.devices) else "trainer.eval_device")
             errors.append(f"{where}: unknown device {dev!r} (use 'cpu', 'cuda' or 'cuda:N')")
     for i, dev in enumerate(le.devices):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", dev):

@@ -275,6 +275,8 @@ def test_single_problem_is_singular(tmp_path):
     pytest.param({"actors": {"devices": ["cuda:"]}}, r"actors\.devices\[0\]: unknown device 'cuda:'",
                  id="device_cuda_colon"),
     pytest.param({"learner": {"device": "CUDA"}}, r"learner\.device: unknown device 'CUDA'", id="learner_device"),
+    pytest.param({"trainer": {"eval_device": "gpu0"}}, r"trainer\.eval_device: unknown device 'gpu0'",
+                 id="eval_device"),
     pytest.param({"actors": {"devices": []}}, r"actors\.devices: must name at least one device", id="no_devices"),
     pytest.param({"trainer": {"buffer_type": "vla", "buffer_capacity": 1}, "actors": {"num_actors": 2}},
                  r"trainer\.buffer_capacity: 1 cannot hold one update's 2 rollouts", id="capacity_vs_actors"),

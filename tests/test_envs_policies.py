@@ -306,3 +306,29 @@ def test_normaliser_and_reward_scale_combine_exactly_over_learner_ranks():
     both.update(a[:, 0])
     both.update(b[:, 0])
     assert s0.std(lambda t: parts[0] + parts[1]) == pytest.approx(float((both.var + s0.eps).sqrt()), rel=1e-5)
+
+
+def test_a_gpu_simulator_spec_is_known_without_building_it(monkeypatch):
+    """The learner needs only the spec: for MuJoCo Warp it comes from C MuJoCo's model, with no Warp
+    device and no kernels compiled (a GPU machine's learner must not compile Warp's CPU kernels)."""
+    pytest.importorskip("mujoco")
+    from shared.envs import env_spec
+    from shared.envs.mjwarp import MJWarpHalfCheetah
+    from learner.learner import env_spec_of
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the simulator was built for its spec")
+
+    monkeypatch.setattr(MJWarpHalfCheetah, "__init__", refuse)
+    spec = env_spec("tandem/MJWarpHalfCheetah-v0", {"max_episode_steps": 7})
+    ref = gym.make("HalfCheetah-v5")
+    assert spec.obs_shape == ref.observation_space.shape and spec.action.shape == ref.action_space.shape
+    assert spec.action.low == tuple(ref.action_space.low.tolist()) and spec.max_episode_steps == 7
+    ref.close()
+    assert env_spec("tandem/MJWarpHalfCheetah-v0").max_episode_steps == 1000
+    with pytest.raises(TypeError, match="bogus"):           # as building the env would
+        env_spec("tandem/MJWarpHalfCheetah-v0", {"bogus": 1})
+    cfg = config_from_dict({"env": {"id": "tandem/MJWarpHalfCheetah-v0", "cfg": {"frame_skip": 4}}})
+    assert env_spec_of(cfg).obs_shape == (17,)
+    # envs without a description are built once on the CPU, as before
+    assert env_spec("tandem/Reach-v0", {}).action.shape == (2,)

@@ -74,7 +74,7 @@ def test_trains_through_the_launcher(tmp_path):
     run = tmp_path / "run"
     p = subprocess.run(["bash", str(ROOT / "launch" / "run_local.sh"), "--config", str(ROOT / "configs" /
                         "mjwarp_halfcheetah_ppo.json"), "--steps", "8192", "--out", str(run),
-                        "--set", "trainer.eval_freq=4096", "--set", f'actors.devices=["{DEV}"]'],
+                        "--set", "trainer.eval_freq=4096", "--set", f'actors.devices=["{DEV}"]', "--set", f"trainer.eval_device={DEV}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400, start_new_session=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())

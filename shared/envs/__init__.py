@@ -30,4 +30,19 @@ def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
     return GymBatchedEnv(env_id, num_envs, env_kwargs, render=render)
 
 
-__all__ = ["ActionSpec", "BatchedEnv", "EnvSpec", "StepResult", "make_env"]
+def env_spec(env_id: str, env_kwargs: dict | None = None) -> EnvSpec:
+    """The :class:`EnvSpec` of ``env_id``: from the env's description where it has one (a GPU
+    simulator is then not built at all), else from one env built on the CPU and closed."""
+    if env_id.startswith(TORCH_NATIVE_PREFIX):
+        from shared.envs.torch_envs import torch_env_spec
+        spec = torch_env_spec(env_id[len(TORCH_NATIVE_PREFIX):], env_kwargs or {})
+        if spec is not None:
+            return spec
+    env = make_env(env_id, 1, env_kwargs, "cpu")
+    try:
+        return env.spec
+    finally:
+        env.close()
+
+
+__all__ = ["ActionSpec", "BatchedEnv", "EnvSpec", "StepResult", "env_spec", "make_env"]

@@ -19,6 +19,7 @@ the kernels (~30 s on CPU; cached in ``~/.cache/warp``).
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -56,12 +57,8 @@ class MJWarpHalfCheetah:
         self.w_fwd, self.w_ctrl, self.noise = forward_reward_weight, ctrl_cost_weight, reset_noise_scale
         self.mjm = mujoco.MjModel.from_xml_path(_half_cheetah_xml())
         self.dt = float(self.mjm.opt.timestep) * frame_skip
-        nq, nv, nu = self.mjm.nq, self.mjm.nv, self.mjm.nu
         lo, hi = self.mjm.actuator_ctrlrange.T
-        self.spec = EnvSpec(obs_shape=(nq - 1 + nv,), obs_dtype=torch.float32,
-                            action=ActionSpec(kind="box", shape=(nu,), low=tuple(map(float, lo)),
-                                              high=tuple(map(float, hi))),
-                            max_episode_steps=max_episode_steps)
+        self.spec = self._spec(self.mjm, max_episode_steps)
         self._wp_device = wp.get_device(str(self.device) if self.device.type == "cuda" else "cpu")
         with wp.ScopedDevice(self._wp_device):
             self.m = mjw.put_model(self.mjm)
@@ -89,6 +86,24 @@ class MJWarpHalfCheetah:
         self.t = torch.zeros(num_envs, dtype=torch.int64, device=dev)
         self.ep_return = torch.zeros(num_envs, dtype=torch.float64, device=dev)
         self._gen = torch.Generator().manual_seed(0)
+
+    @staticmethod
+    def _spec(mjm, max_episode_steps: int) -> EnvSpec:
+        lo, hi = mjm.actuator_ctrlrange.T
+        return EnvSpec(obs_shape=(mjm.nq - 1 + mjm.nv,), obs_dtype=torch.float32,
+                       action=ActionSpec(kind="box", shape=(mjm.nu,), low=tuple(map(float, lo)),
+                                         high=tuple(map(float, hi))),
+                       max_episode_steps=max_episode_steps)
+
+    @classmethod
+    def spec_for(cls, **kwargs) -> EnvSpec:
+        """The spec for these keyword arguments (``env.cfg``), from C MuJoCo's model alone: no Warp
+        device, no kernels compiled (the learner needs only this, and a GPU machine's learner should
+        not compile Warp's CPU kernels for it). An unknown argument raises as building the env would."""
+        import mujoco
+        args = _INIT_SIGNATURE.bind(None, 1, **kwargs)
+        args.apply_defaults()
+        return cls._spec(mujoco.MjModel.from_xml_path(_half_cheetah_xml()), args.arguments["max_episode_steps"])
 
     # ------------------------------------------------------------------ state
     def _obs(self) -> torch.Tensor:
@@ -157,3 +172,6 @@ class MJWarpHalfCheetah:
 
     def close(self) -> None:
         pass
+
+
+_INIT_SIGNATURE = inspect.signature(MJWarpHalfCheetah.__init__)

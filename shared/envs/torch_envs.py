@@ -102,7 +102,19 @@ def _mjwarp_half_cheetah(**kwargs):
     return MJWarpHalfCheetah(**kwargs)
 
 
+def _mjwarp_half_cheetah_spec(**kwargs):
+    from shared.envs.mjwarp import MJWarpHalfCheetah
+    return MJWarpHalfCheetah.spec_for(**kwargs)
+
+
 _REGISTRY = {"Pendulum-v0": TorchPendulum, "Reach-v0": _reach, "MJWarpHalfCheetah-v0": _mjwarp_half_cheetah}
+# Envs whose spec is known without building the simulator (the others build one env on the CPU for it).
+_SPECS = {"MJWarpHalfCheetah-v0": _mjwarp_half_cheetah_spec}
+
+
+def torch_env_spec(name: str, kwargs: dict):
+    """The spec of ``tandem/<name>`` with `kwargs`, or None where only a built env can tell it."""
+    return _SPECS[name](**kwargs) if name in _SPECS else None
 
 
 def make_torch_env(name: str, num_envs: int, kwargs: dict, device: str | torch.device):
