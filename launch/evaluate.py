@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=200, help="envs per batch (default 200)")
     ap.add_argument("--seed", type=int, default=None,
                     help=f"seed of the first batch (default trainer.seed + {HELD_OUT:,}: held-out episodes)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=None, help="where the envs and the policy run (default trainer.eval_device)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", type=Path, help="also write the figures to this file")
     args = ap.parse_args(argv)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         seed = args.seed if args.seed is not None else cfg.trainer.seed + HELD_OUT
         print(f"[evaluate] {checkpoint or 'no checkpoint (the policy the config builds)'} | {cfg.env.id} | "
               f"{args.episodes} episodes, {args.batch} envs per batch, seeds {seed}..", flush=True)
-        out = run_evaluation(cfg, checkpoint, args.episodes, args.batch, seed, args.device,
+        out = run_evaluation(cfg, checkpoint, args.episodes, args.batch, seed, args.device or cfg.trainer.eval_device,
                              say=lambda s: print(s, flush=True))
     except (EvaluateError, ConfigError) as e:
         print(f"[evaluate] error: {e}", file=sys.stderr)
