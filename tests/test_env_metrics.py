@@ -89,7 +89,7 @@ class MetricsEnv:
 
 def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
     import actors.actor
-    import learner.learner
+    import shared.envs
     envs: list[MetricsEnv] = []
 
     def fake_make_env(env_id, num_envs, env_kwargs=None, device="cpu", render=False):
@@ -97,7 +97,7 @@ def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
         return envs[-1]
 
     monkeypatch.setattr(actors.actor, "make_env", fake_make_env)
-    monkeypatch.setattr(learner.learner, "make_env", fake_make_env)
+    monkeypatch.setattr(shared.envs, "make_env", fake_make_env)      # the learner's env_spec builds one
     cfg = small_config()
     pub = ListPublisher()
     lrn = Learner(cfg, run_dir=None, publisher=pub)
