@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -82,3 +83,51 @@ def test_inflight_overrides_and_report():
     text = inflight_latency.table(results)
     assert "| step | 1 | 1.50 | 2 | 90% | 990 | 450.0 | 0 |" in text
     assert "| rollout | 4.10 ± 0.14 |" in text
+
+
+def test_sim_throughput_measures_each_size_against_the_baseline(tmp_path, capsys):
+    import sim_throughput
+    out = tmp_path / "sim.json"
+    assert sim_throughput.main(["--env", "tandem/Pendulum-v0", "--config", "configs/pendulum_ppo.json",
+                                "--num-envs", "4,8", "--baseline", "Pendulum-v1", "--baseline-envs", "2",
+                                "--steps-per-rollout", "4", "--seconds", "0.05", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["env"], r["num_envs"]) for r in rows] == [("Pendulum-v1", 2), ("tandem/Pendulum-v0", 4),
+                                                         ("tandem/Pendulum-v0", 8)]
+    assert rows[0]["sim_x_baseline"] == rows[0]["actor_x_baseline"] == 1.0
+    for r in rows:
+        assert r["sim_steps_per_s"] > 0 and r["actor_steps_per_s"] > 0 and r["actor_rollouts"] >= 3
+        assert r["sim_x_baseline"] == pytest.approx(r["sim_steps_per_s"] / rows[0]["sim_steps_per_s"])
+    assert "tandem/Pendulum-v0" in capsys.readouterr().out
+
+
+class _Heading:
+    """A Reach 'policy' that heads straight for target `which(env)` of each env (the env's own state)."""
+
+    def __init__(self, env, which):
+        self.env, self.which = env, which
+
+    def __call__(self, td, deterministic=True):
+        e = self.env
+        goal = e.targets[torch.arange(e.num_envs), self.which(e)]
+        td.set("action", ((goal - e.pos) / e.step_size).clamp(-1, 1))
+        return td
+
+
+def test_reach_starts_classifies_outcomes():
+    import reach_starts
+    from shared.config import load_config
+    cfg = load_config(ROOT / "configs" / "vla_tokens_reach_grpo.json")
+    seeds = [11, 11, 13, 17]
+    env = reach_starts.reach_env(cfg, len(seeds))
+    named = reach_starts.play(_Heading(env, lambda e: e.goal), env, seeds, deterministic=True)
+    assert named.tolist() == [reach_starts.OUTCOMES.index("success")] * 4
+    env.reset(seed=seeds)
+    assert env.goal[0] == env.goal[1]                            # group_goals "same": one task per seed
+    other = reach_starts.play(_Heading(env, lambda e: (e.goal + 1) % 3), env, seeds, deterministic=True)
+    wrong, success = reach_starts.OUTCOMES.index("wrong"), reach_starts.OUTCOMES.index("success")
+    assert wrong in other.tolist() and set(other.tolist()) <= {wrong, success}   # (it may pass the named one)
+    still = reach_starts.play(lambda td, deterministic=True: td.set("action", torch.zeros(4, 2)), env, seeds, True)
+    assert set(still.tolist()) <= {reach_starts.OUTCOMES.index("near"), reach_starts.OUTCOMES.index("elsewhere")}
+    assert reach_starts.no_success_in_4(16, 16) == 1.0 and reach_starts.no_success_in_4(3, 16) == 0.0
+    assert reach_starts.no_success_in_4(5, 16) == pytest.approx(5 / 1820)
