@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         greedy = play(policy, env, starts, deterministic=True)
         env.close()
         env = reach_env(cfg, a.starts * a.samples)
+        torch.manual_seed(a.seed)                   # every model draws its samples from the same stream
         sampled = play(policy, env, [s for s in starts for _ in range(a.samples)], deterministic=False)
         env.close()
         results[label] = {"greedy": greedy, "sampled": sampled.view(a.starts, a.samples)}
