@@ -2,7 +2,10 @@
 
     python benchmarks/reach_starts.py --config configs/vla_tokens_reach_grpo.json \\
         --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \\
-        --model pretrained=none --model grpo=RUN_DIR/checkpoints/ckpt_000401280.pt [--starts 200] [--samples 16]
+        --model pretrained=none --model grpo=RUN_DIR [--model ppo=RUN_DIR2] [--starts 200] [--samples 16]
+
+A model is ``LABEL=none`` (the policy ``--config`` builds: the pretrained model), ``LABEL=CHECKPOINT``
+(a checkpoint file for that config) or ``LABEL=RUN_DIR`` (the run's own config and newest checkpoint).
 
 Each start (seed ``--seed + i``: a scene, a start position and a named target) is played greedily once
 and sampled ``--samples`` times (the policy's acting distribution at ``--temperature``) by every model.
@@ -11,8 +14,9 @@ other than the named one); ``near`` (a near miss: within 0.3 of the named target
 
 The starts are split by what the **first** model's greedy episode did there, and every model is
 measured on those same starts: sampled success, starts never solved in the samples, the chance that a
-GRPO group of 4 (drawn from the samples without replacement) holds no success, and sampled
-wrong-target trips. Splitting each model's starts by its own greedy outcome instead would compare
+GRPO group of 4 (drawn from the samples without replacement) holds no success, sampled wrong-target
+trips and greedy success; then how each start's greedy outcome moved from the first model's to each
+other model's. Splitting each model's starts by its own greedy outcome instead would compare
 different sets of starts (after training, the starts a model still misreads are the hardest ones).
 """
 
@@ -28,7 +32,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from tensordict import TensorDict
 
-from launch.evaluate import load_policy_checkpoint
+from launch.evaluate import load_policy_checkpoint, resolve_checkpoint
 from shared import keys
 from shared.config import load_config
 from shared.envs import make_env
@@ -97,18 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = load_config(a.config, [*a.set, f"policy.vla_config.model_config.temperature={a.temperature}"])
+    sets = [*a.set, f"policy.vla_config.model_config.temperature={a.temperature}"]
+    cfg = load_config(a.config, sets)
     if not cfg.env.id.startswith("tandem/Reach"):
         p.error(f"{cfg.env.id}: this analysis is for tandem/Reach-v0")
     starts = [a.seed + i for i in range(a.starts)]
     results = {}
     for spec in a.model:
-        label, _, ckpt = spec.partition("=")
-        spec_env = make_env(cfg.env.id, 1, cfg.env.cfg, "cpu")
-        policy = make_policy(cfg, spec_env.spec).eval()
+        label, _, where = spec.partition("=")
+        model_cfg, ckpt = cfg, None
+        if where and where != "none":
+            ckpt = Path(where)
+            if ckpt.is_dir():
+                model_cfg = load_config(ckpt / "config.json", sets)
+                ckpt = resolve_checkpoint(ckpt, "latest")
+        spec_env = make_env(model_cfg.env.id, 1, model_cfg.env.cfg, "cpu")
+        policy = make_policy(model_cfg, spec_env.spec).eval()
         spec_env.close()
-        if ckpt and ckpt != "none":
-            load_policy_checkpoint(policy, Path(ckpt))
+        if ckpt is not None:
+            load_policy_checkpoint(policy, ckpt)
         env = reach_env(cfg, a.starts)
         greedy = play(policy, env, starts, deterministic=True)
         env.close()
@@ -145,8 +156,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:14s} {o:32s} {row['starts']:6d} {row['sampled_success']:16.2f} "
                   f"{100 * row['never_solved']:12.0f}% {row['p_group4_fails']:20.2f} {row['sampled_wrong']:14.2f} "
                   f"{row['greedy_success']:15.2f}")
+    print(f"\nGreedy outcome on each start: {ref_label}'s (rows) -> each model's (columns), in starts:")
+    moves = {}
+    for label, r in list(results.items())[1:]:
+        m = [[int(((ref == i) & (r["greedy"] == j)).sum()) for j in range(len(OUTCOMES))] for i in range(len(OUTCOMES))]
+        moves[label] = m
+        print(f"{label:14s} " + " ".join(f"{o:>10s}" for o in OUTCOMES))
+        for i, o in enumerate(OUTCOMES):
+            print(f"  {o:12s} " + " ".join(f"{x:10d}" for x in m[i]))
     if a.json:
-        out = {"args": vars(a), "rows": rows,
+        out = {"args": vars(a), "rows": rows, "moves": moves,
                "greedy": {k: [100 * float((v["greedy"] == i).float().mean()) for i in range(len(OUTCOMES))]
                           for k, v in results.items()}}
         Path(a.json).write_text(json.dumps(out, indent=1))
