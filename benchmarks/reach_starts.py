@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from launch.evaluate import load_policy_checkpoint, resolve_checkpoint
 from shared import keys
 from shared.config import load_config
-from shared.envs import make_env
+from shared.envs import env_spec, make_env
 from shared.policies import make_policy
 
 OUTCOMES = ("success", "wrong", "near", "elsewhere")
@@ -115,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             if ckpt.is_dir():
                 model_cfg = load_config(ckpt / "config.json", sets)
                 ckpt = resolve_checkpoint(ckpt, "latest")
-        spec_env = make_env(model_cfg.env.id, 1, model_cfg.env.cfg, "cpu")
-        policy = make_policy(model_cfg, spec_env.spec).eval()
-        spec_env.close()
+        policy = make_policy(model_cfg, env_spec(model_cfg.env.id, model_cfg.env.cfg)).eval()
         if ckpt is not None:
             load_policy_checkpoint(policy, ckpt)
         env = reach_env(cfg, a.starts)
