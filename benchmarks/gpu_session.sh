@@ -29,6 +29,9 @@
 #      batched protocol, a launcher run), benchmarks/sim_throughput.py (env steps/s alone and in an
 #      actor's collector, 256-16384 envs, against gymnasium's C MuJoCo on one CPU core), and PPO through
 #      the launcher with 2 actors of 1,024 envs and the learner on the device
+#  10. reach-gains: benchmarks/reach_gains.py on the device: Reach fine-tuning settings x seeds, runs in
+#      parallel on the machine's cores, each run's and the starting model's success on the first and
+#      held-out sets. Its arguments come from $TANDEM_REACH_GAINS (default: the GRPO config on seeds 1-3).
 #
 # MuJoCo Warp where no registry is reachable: the warp-lang wheel (149 MB) is more than one device call
 # carries, so it travels in pieces, staged by earlier calls into $WARP_STAGE (default /tmp/warp-stage):
@@ -164,6 +167,13 @@ if want mjwarp; then
   run mjwarp_dev 150 --config configs/mjwarp_halfcheetah_ppo.json --steps 655360 --set actors.num_envs=1024 \
     --set "actors.devices=[\"$DEV\"]" --set learner.device=$DEV --set algorithm.cfg.batch_size=4096 \
     --set trainer.eval_device=$DEV --set trainer.eval_freq=327680 --set trainer.save_freq=0
+fi
+
+if want reach-gains; then
+  # shell words, quotes respected: --variant "LABEL KEY=JSON ..." stays one argument
+  eval "RG_ARGS=(${TANDEM_REACH_GAINS:---config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 --parallel 3 \
+    --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel})"
+  step reach-gains 560 "$PY" benchmarks/reach_gains.py "${RG_ARGS[@]}" --device "$DEV" --out "$OUTDIR/reach_gains"
 fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null

@@ -131,3 +131,65 @@ def test_reach_starts_classifies_outcomes():
     assert set(still.tolist()) <= {reach_starts.OUTCOMES.index("near"), reach_starts.OUTCOMES.index("elsewhere")}
     assert reach_starts.no_success_in_4(16, 16) == 1.0 and reach_starts.no_success_in_4(3, 16) == 0.0
     assert reach_starts.no_success_in_4(5, 16) == pytest.approx(5 / 1820)
+
+
+def test_reach_gains_variants_and_gain():
+    import reach_gains
+    assert reach_gains.parse_variant("config") == ("config", [])
+    assert reach_gains.parse_variant("g1 algorithm.cfg.gamma=1.0 'trainer.exp_name=\"a b\"'") == \
+        ("g1", ["algorithm.cfg.gamma=1.0", 'trainer.exp_name="a b"'])
+    for bad in ("", "gamma=1", "g1 gamma"):
+        with pytest.raises(ValueError):
+            reach_gains.parse_variant(bad)
+    # README: seed 1, 61.6 / 60.4% against 40.9 / 42.8% -> +19.2
+    assert reach_gains.success_gain((0.616, 0.604), (0.409, 0.428)) == pytest.approx(19.15)
+
+
+def test_reach_gains_runs_every_variant_and_seed_and_reports_failures(tmp_path, monkeypatch, capsys):
+    """The launcher and the evaluator replaced: every (variant, seed) is trained once with its overrides,
+    every run and the starting model are evaluated on both sets of each seed, and a failed run is
+    reported (exit 1) without hiding the others."""
+    import reach_gains
+    trained = []
+
+    def fake_launcher(args, run_dir, timeout_s, label):
+        sets = [args[i + 1] for i, x in enumerate(args) if x == "--set"]
+        trained.append((run_dir.name, sets))
+        if run_dir.name == "bad_s2":
+            raise reach_gains.BenchmarkError("bad seed 2: run_local.sh exited with code 1")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps({"wall_s": 12.0}))
+        return 13.0, []
+
+    evaluated = []
+
+    def fake_evaluate(args, out, timeout_s):
+        evaluated.append(args)
+        seed = int(args[args.index("--seed") + 1])
+        held = seed >= reach_gains.HELD_OUT
+        if "--checkpoint" in args:                       # the starting model
+            return 0.40 if not held else 0.42
+        return {"good": 0.65, "bad": 0.5}[Path(args[0]).name.split("_")[0]] + (0.01 if held else 0.0)
+
+    monkeypatch.setattr(reach_gains, "run_launcher", fake_launcher)
+    monkeypatch.setattr(reach_gains, "evaluate", fake_evaluate)
+    code = reach_gains.main(["--config", str(ROOT / "configs" / "vla_tokens_reach_grpo.json"),
+                             "--set", "policy.vla_config.model_path=x", "--variant", "good",
+                             "--variant", "bad algorithm.cfg.gamma=1.0", "--seeds", "1,2", "--steps", "1000",
+                             "--device", "cuda:0", "--parallel", "3", "--episodes", "10", "--out", str(tmp_path)])
+    assert code == 1
+    names = sorted(n for n, _ in trained)
+    assert names == ["bad_s1", "bad_s2", "good_s1", "good_s2"]
+    for name, sets in trained:
+        assert "trainer.eval_freq=0" in sets and "trainer.total_steps=1000" in sets
+        assert f"trainer.seed={name[-1]}" == sets[-1]
+        assert 'learner.device="cuda:0"' in sets and 'actors.devices=["cuda:0"]' in sets
+        assert ("algorithm.cfg.gamma=1.0" in sets) == name.startswith("bad")
+    assert len(evaluated) == 2 * 2 + 3 * 2               # the start on 2 seeds + 3 runs, 2 sets each
+    assert all(a[a.index("--device") + 1] == "cuda:0" for a in evaluated)
+    out = json.loads((tmp_path / "gains.json").read_text())
+    gains = {(r["variant"], r["seed"]): r["gain"] for r in out["rows"]}
+    assert gains == pytest.approx({("good", 1): 24.5, ("good", 2): 24.5, ("bad", 1): 9.5})
+    assert list(out["failures"]) == ["bad_s2"]
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "+24.5" in text and "failed" in text
