@@ -14,8 +14,8 @@ evaluator's seeds (``trainer.seed + 1,000,003``: the "first set") and held-out o
 (``trainer.seed + 2,000,003``). A run's gain is its success rate on both sets together minus the
 starting model's on the same episodes.
 
-``--device`` puts the learner, the actors and the evaluations on one device (default: each as the
-config says). Prints a table (variant x seed: first set / held-out -> gain, and the mean gain) and
+``--device`` puts the learner, the actors and the evaluations on one device, ``--actor-device`` the
+actors elsewhere (default: each as the config says). Prints a table (variant x seed: first set / held-out -> gain, and the mean gain) and
 writes ``DIR/gains.json``. Runs that fail or time out are reported, not retried; nothing is left
 running.
 """
@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import ROOT, BenchmarkError, child_env, run_launcher, tail
+from learner.checkpoint import list_checkpoints
 
 FIRST, HELD_OUT = 1_000_003, 2_000_003
 
@@ -64,6 +65,11 @@ def evaluate(args: list[str], out: Path, timeout_s: float) -> float:
     return json.loads(out.read_text())["success_rate"]
 
 
+def env_steps_of(out_dir: Path, label: str, seed: int) -> int | None:
+    path = out_dir / f"eval_{label}_{seed}_first.json"
+    return json.loads(path.read_text()).get("env_steps") if path.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=2000, help="per set (two sets per seed)")
     p.add_argument("--parallel", type=int, default=1, help="runs (and then evaluations) at a time")
     p.add_argument("--device", default=None, help="learner, actors and evaluations on this device")
+    p.add_argument("--actor-device", default=None,
+                   help="the actors' device instead (a small model collects faster on one CPU core each)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
@@ -90,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps:
         common.append(f"trainer.total_steps={a.steps}")
     if a.device:
-        common += [f"learner.device={json.dumps(a.device)}", f"actors.devices=[{json.dumps(a.device)}]",
-                   f"trainer.eval_device={json.dumps(a.device)}"]
+        common += [f"learner.device={json.dumps(a.device)}", f"trainer.eval_device={json.dumps(a.device)}"]
+    if a.actor_device or a.device:
+        common.append(f"actors.devices=[{json.dumps(a.actor_device or a.device)}]")
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
 
@@ -104,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             wall, notes = run_launcher(args, run_dir, a.timeout_s, f"{label} seed {seed}")
         except BenchmarkError as e:
+            # Stopped by the timeout: the learner wrote a final checkpoint on SIGTERM; it is measured
+            # too, marked as stopped (the evaluation's JSON says at how many env steps).
+            if "not finished within" in str(e) and list_checkpoints(run_dir / "checkpoints"):
+                print(f"[reach_gains] {label} seed {seed}: stopped at the {a.timeout_s:.0f} s limit; its last "
+                      f"checkpoint is measured, marked *", flush=True)
+                return job, {"stopped": True, "launcher_wall_s": a.timeout_s}, None
             return job, None, str(e)
         learner_wall = json.loads((run_dir / "summary.json").read_text()).get("wall_s")
         print(f"[reach_gains] {label} seed {seed}: trained in {wall:.0f} s (learner {learner_wall:.0f} s)"
@@ -166,13 +181,17 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{'failed':>24s}")
                 continue
             g = success_gain(r, start[s])
+            stopped = runs.get((label, s), {}).get("stopped", False)
             gains.append(g)
-            cells.append(f"{100 * r[0]:5.1f} / {100 * r[1]:.1f}% -> {g:+5.1f}")
+            cells.append(f"{100 * r[0]:5.1f} / {100 * r[1]:.1f}% -> {g:+5.1f}{'*' if stopped else ''}")
             rows.append({"variant": label, "overrides": sets, "seed": s, "first": r[0], "held_out": r[1],
                          "start_first": start[s][0], "start_held_out": start[s][1], "gain": g,
+                         "env_steps": env_steps_of(a.out, label, s),
                          **runs.get((label, s), {})})
         mean = f"{sum(gains) / len(gains):+10.1f}" if gains else f"{'-':>10s}"
         print(f"{label:12s}" + "".join(f"{c:>24s}" for c in cells) + mean)
+    if any(r.get("stopped") for r in runs.values()):
+        print("(* stopped by --timeout-s before trainer.total_steps: the env steps reached are in gains.json)")
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "rows": rows,
            "start": {str(s): start[s] for s in seeds}, "failures": failures, "wall_s": time.monotonic() - t0}
     (a.out / "gains.json").write_text(json.dumps(out, indent=1) + "\n")

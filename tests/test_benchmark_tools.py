@@ -157,6 +157,10 @@ def test_reach_gains_runs_every_variant_and_seed_and_reports_failures(tmp_path, 
         trained.append((run_dir.name, sets))
         if run_dir.name == "bad_s2":
             raise reach_gains.BenchmarkError("bad seed 2: run_local.sh exited with code 1")
+        if run_dir.name == "good_s2":                  # stopped by the timeout after a checkpoint
+            (run_dir / "checkpoints").mkdir(parents=True)
+            (run_dir / "checkpoints" / "ckpt_00000003.pt").write_bytes(b"")
+            raise reach_gains.BenchmarkError("good seed 2: not finished within 5 s; the launcher's log ends:")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "summary.json").write_text(json.dumps({"wall_s": 12.0}))
         return 13.0, []
@@ -176,14 +180,14 @@ def test_reach_gains_runs_every_variant_and_seed_and_reports_failures(tmp_path, 
     code = reach_gains.main(["--config", str(ROOT / "configs" / "vla_tokens_reach_grpo.json"),
                              "--set", "policy.vla_config.model_path=x", "--variant", "good",
                              "--variant", "bad algorithm.cfg.gamma=1.0", "--seeds", "1,2", "--steps", "1000",
-                             "--device", "cuda:0", "--parallel", "3", "--episodes", "10", "--out", str(tmp_path)])
+                             "--device", "cuda:0", "--actor-device", "cpu", "--parallel", "3", "--episodes", "10", "--out", str(tmp_path)])
     assert code == 1
     names = sorted(n for n, _ in trained)
     assert names == ["bad_s1", "bad_s2", "good_s1", "good_s2"]
     for name, sets in trained:
         assert "trainer.eval_freq=0" in sets and "trainer.total_steps=1000" in sets
         assert f"trainer.seed={name[-1]}" == sets[-1]
-        assert 'learner.device="cuda:0"' in sets and 'actors.devices=["cuda:0"]' in sets
+        assert 'learner.device="cuda:0"' in sets and 'actors.devices=["cpu"]' in sets
         assert ("algorithm.cfg.gamma=1.0" in sets) == name.startswith("bad")
     assert len(evaluated) == 2 * 2 + 3 * 2               # the start on 2 seeds + 3 runs, 2 sets each
     assert all(a[a.index("--device") + 1] == "cuda:0" for a in evaluated)
@@ -191,5 +195,6 @@ def test_reach_gains_runs_every_variant_and_seed_and_reports_failures(tmp_path, 
     gains = {(r["variant"], r["seed"]): r["gain"] for r in out["rows"]}
     assert gains == pytest.approx({("good", 1): 24.5, ("good", 2): 24.5, ("bad", 1): 9.5})
     assert list(out["failures"]) == ["bad_s2"]
+    assert [r.get("stopped", False) for r in out["rows"]] == [False, True, False]   # good s1, good s2, bad s1
     text = capsys.readouterr().out
-    assert "FAILED" in text and "+24.5" in text and "failed" in text
+    assert "FAILED" in text and "+24.5*" in text and "failed" in text and "stopped" in text
