@@ -173,7 +173,9 @@ if want reach-gains; then
   # shell words, quotes respected: --variant "LABEL KEY=JSON ..." stays one argument
   eval "RG_ARGS=(${TANDEM_REACH_GAINS:---config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 --parallel 3 \
     --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel})"
-  step reach-gains 560 "$PY" benchmarks/reach_gains.py "${RG_ARGS[@]}" --device "$DEV" --out "$OUTDIR/reach_gains"
+  # its runs and evaluations go into runs.tgz (a device call returns only a few files); gains.json also here
+  step reach-gains 560 "$PY" benchmarks/reach_gains.py "${RG_ARGS[@]}" --device "$DEV" --out "$RUNS/reach_gains"
+  cp "$RUNS/reach_gains/gains.json" "$OUTDIR/" 2>/dev/null
 fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null
