@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:          # for `shared`, `actors`, `learner` in th
 from learner.logs import read_jsonl  # noqa: E402  (needs ROOT on sys.path)
 
 __all__ = ["ROOT", "BenchmarkError", "child_env", "group_members", "machine_info", "raise_on_signal", "read_jsonl",
-           "run_launcher", "stop_launcher", "tail"]
+           "run_launcher", "start_launcher", "stop_launcher", "tail"]
 
 LAUNCHER = ROOT / "launch" / "run_local.sh"
 STOP_TIMEOUT_S = 15.0                  # SIGTERM -> SIGKILL grace; the launcher itself needs up to ~10 s
@@ -122,16 +122,22 @@ def stop_launcher(p: subprocess.Popen) -> list[str]:
     return notes
 
 
+def start_launcher(args: list[str], run_dir: Path) -> subprocess.Popen:
+    """Start ``launch/run_local.sh ARGS --out RUN_DIR`` in its own session (its log: RUN_DIR/launcher.log)
+    and return at once; the caller must end it with :func:`stop_launcher`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "launcher.log", "wb") as log:
+        return subprocess.Popen(["bash", str(LAUNCHER), *args, "--out", str(run_dir)], cwd=ROOT,
+                                env=child_env(launcher_python=True), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def run_launcher(args: list[str], run_dir: Path, timeout_s: float, label: str) -> tuple[float, list[str]]:
     """``launch/run_local.sh ARGS --out RUN_DIR`` in its own session; returns (wall seconds, stop notes).
     Raises BenchmarkError (with the log's tail) on a non-zero exit or a timeout; never leaves processes."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "launcher.log"
     t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        p = subprocess.Popen(["bash", str(LAUNCHER), *args, "--out", str(run_dir)], cwd=ROOT,
-                             env=child_env(launcher_python=True), stdin=subprocess.DEVNULL, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    p = start_launcher(args, run_dir)
     try:
         try:
             code = p.wait(timeout=timeout_s)

@@ -25,16 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
-from _common import ROOT, BenchmarkError, child_env, run_launcher, tail
+from _common import ROOT, BenchmarkError, child_env, raise_on_signal, start_launcher, stop_launcher, tail
 from learner.checkpoint import list_checkpoints
 
 FIRST, HELD_OUT = 1_000_003, 2_000_003
+POLL_S = 0.5
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -53,19 +55,42 @@ def success_gain(run: tuple[float, float], start: tuple[float, float]) -> float:
     return 100 * ((run[0] + run[1]) / 2 - (start[0] + start[1]) / 2)
 
 
-def evaluate(args: list[str], out: Path, timeout_s: float) -> float:
-    """``launch/evaluate.py ARGS --json OUT``; the success rate."""
-    log = out.with_suffix(".log")
-    with open(log, "wb") as f:
-        code = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), *args, "--threads", "1",
-                               "--json", str(out)], cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
-                              timeout=timeout_s).returncode
-    if code != 0:
-        raise BenchmarkError(f"evaluate.py {' '.join(args)}: exit {code}; its log ends:\n{tail(log)}")
-    return json.loads(out.read_text())["success_rate"]
+def run_parallel(jobs: list, start: Callable[[object], subprocess.Popen], parallel: int,
+                 timeout_s: float) -> dict:
+    """Start ``start(job)`` (a process in its own session) for each job, at most `parallel` at a time,
+    each for at most `timeout_s`. Returns ``{job: (exit code or None if stopped late, wall seconds,
+    stop notes)}``. Whatever happens (an exception, Ctrl-C, SIGTERM), no process is left running."""
+    pending, active, done = list(jobs), {}, {}
+    try:
+        while pending or active:
+            while pending and len(active) < parallel:
+                job = pending.pop(0)
+                active[job] = (start(job), time.monotonic())
+            for job, (p, t0) in list(active.items()):
+                code, late = p.poll(), time.monotonic() - t0 > timeout_s
+                if code is None and not late:
+                    continue
+                del active[job]
+                notes = stop_launcher(p)
+                done[job] = (code, time.monotonic() - t0, notes)
+            if active:
+                time.sleep(POLL_S)
+    finally:
+        for p, _ in active.values():
+            stop_launcher(p)
+    return done
+
+
+def start_evaluation(args: list[str], out: Path) -> subprocess.Popen:
+    """``launch/evaluate.py ARGS --json OUT`` in its own session (log: OUT with .log)."""
+    with open(out.with_suffix(".log"), "wb") as log:
+        return subprocess.Popen([sys.executable, str(ROOT / "launch" / "evaluate.py"), *args, "--threads", "1",
+                                 "--json", str(out)], cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def env_steps_of(out_dir: Path, label: str, seed: int) -> int | None:
+    """The env steps of the checkpoint a run's first-set evaluation measured."""
     path = out_dir / f"eval_{label}_{seed}_first.json"
     return json.loads(path.read_text()).get("env_steps") if path.is_file() else None
 
@@ -102,68 +127,77 @@ def main(argv: list[str] | None = None) -> int:
     if a.actor_device or a.device:
         common.append(f"actors.devices=[{json.dumps(a.actor_device or a.device)}]")
     a.out.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, raise_on_signal)     # unwind through run_parallel's clean-up
+    try:
+        return measure(a, variants, seeds, common)
+    except KeyboardInterrupt as e:
+        print(f"[reach_gains] stopped ({e or 'SIGINT'}): no run or evaluation is left running", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds: list[int], common: list[str]) -> int:
+    """Train every (variant, seed), evaluate, print the table and write gains.json; the exit code."""
     t0 = time.monotonic()
 
-    def train(job):
-        label, sets, seed = job
-        run_dir = a.out / f"{label}_s{seed}"
-        args = ["--config", str(Path(a.config).resolve())]
-        for s in [*common, *sets, f"trainer.seed={seed}"]:
-            args += ["--set", s]
-        try:
-            wall, notes = run_launcher(args, run_dir, a.timeout_s, f"{label} seed {seed}")
-        except BenchmarkError as e:
-            # Stopped by the timeout: the learner wrote a final checkpoint on SIGTERM; it is measured
-            # too, marked as stopped (the evaluation's JSON says at how many env steps).
-            if "not finished within" in str(e) and list_checkpoints(run_dir / "checkpoints"):
-                print(f"[reach_gains] {label} seed {seed}: stopped at the {a.timeout_s:.0f} s limit; its last "
-                      f"checkpoint is measured, marked *", flush=True)
-                return job, {"stopped": True, "launcher_wall_s": a.timeout_s}, None
-            return job, None, str(e)
-        learner_wall = json.loads((run_dir / "summary.json").read_text()).get("wall_s")
-        print(f"[reach_gains] {label} seed {seed}: trained in {wall:.0f} s (learner {learner_wall:.0f} s)"
-              + ("".join(f"; {n}" for n in notes)), flush=True)
-        return job, {"launcher_wall_s": wall, "learner_wall_s": learner_wall}, None
+    def run_dir(label, seed):
+        return a.out / f"{label}_s{seed}"
 
-    jobs = [(label, sets, seed) for label, sets in variants for seed in seeds]
+    def start_run(job):
+        label, seed = job
+        args = ["--config", str(Path(a.config).resolve())]
+        for x in [*common, *dict(variants)[label], f"trainer.seed={seed}"]:
+            args += ["--set", x]
+        return start_launcher(args, run_dir(label, seed))
+
     runs, failures = {}, {}
-    with ThreadPoolExecutor(a.parallel) as pool:
-        for (label, _, seed), info, err in pool.map(train, jobs):
-            if err:
-                failures[f"{label}_s{seed}"] = err
-                print(f"[reach_gains] {label} seed {seed}: FAILED: {err}", flush=True)
-            else:
-                runs[(label, seed)] = info
+    trained = run_parallel([(label, seed) for label, _ in variants for seed in seeds], start_run, a.parallel,
+                           a.timeout_s)
+    for (label, seed), (code, wall, notes) in trained.items():
+        d = run_dir(label, seed)
+        note = "".join(f"; {n}" for n in notes)
+        if code == 0:
+            learner_wall = json.loads((d / "summary.json").read_text()).get("wall_s")
+            runs[(label, seed)] = {"launcher_wall_s": wall, "learner_wall_s": learner_wall}
+            print(f"[reach_gains] {label} seed {seed}: trained in {wall:.0f} s (learner {learner_wall:.0f} s){note}",
+                  flush=True)
+        elif code is None and list_checkpoints(d / "checkpoints"):
+            # stopped by --timeout-s: the learner wrote a final checkpoint on SIGTERM; measured, marked
+            runs[(label, seed)] = {"stopped": True, "launcher_wall_s": wall}
+            print(f"[reach_gains] {label} seed {seed}: stopped at the {a.timeout_s:.0f} s limit; its last "
+                  f"checkpoint is measured, marked *{note}", flush=True)
+        else:
+            why = f"not finished within {a.timeout_s:.0f} s" if code is None else f"run_local.sh exited with code {code}"
+            failures[f"{label}_s{seed}"] = f"{why}; its log ends:\n{tail(d / 'launcher.log')}"
+            print(f"[reach_gains] {label} seed {seed}: FAILED: {failures[f'{label}_s{seed}']}", flush=True)
 
     dev = ["--device", a.device] if a.device else []
-    evals = []   # (key, args)
+    evals = {}   # key -> evaluate.py arguments
     for seed in seeds:
         for name, offset in (("first", FIRST), ("held_out", HELD_OUT)):
             start_sets = [x for s in [*a.set, f"trainer.seed={seed}"] for x in ("--set", s)]
-            evals.append((("start", seed, name), ["--config", str(Path(a.config).resolve()), "--checkpoint", "none",
-                                                  *start_sets, "--episodes", str(a.episodes),
-                                                  "--seed", str(seed + offset), *dev]))
+            evals[("start", seed, name)] = ["--config", str(Path(a.config).resolve()), "--checkpoint", "none",
+                                            *start_sets, "--episodes", str(a.episodes), "--seed", str(seed + offset),
+                                            *dev]
     for (label, seed) in runs:
         for name, offset in (("first", FIRST), ("held_out", HELD_OUT)):
-            evals.append(((label, seed, name), [str(a.out / f"{label}_s{seed}"), "--episodes", str(a.episodes),
-                                                "--seed", str(seed + offset), *dev]))
+            evals[(label, seed, name)] = [str(run_dir(label, seed)), "--episodes", str(a.episodes),
+                                          "--seed", str(seed + offset), *dev]
 
-    def run_eval(item):
-        key, args = item
-        path = a.out / ("eval_" + "_".join(str(k) for k in key) + ".json")
-        try:
-            return key, evaluate(args, path, a.timeout_s), None
-        except (BenchmarkError, subprocess.TimeoutExpired) as e:
-            return key, None, str(e)
+    def eval_path(key):
+        return a.out / ("eval_" + "_".join(str(k) for k in key) + ".json")
 
     rates = {}
-    with ThreadPoolExecutor(a.parallel) as pool:
-        for key, rate, err in pool.map(run_eval, evals):
-            if err:
-                failures["eval_" + "_".join(map(str, key))] = err
-                print(f"[reach_gains] evaluation {key}: FAILED: {err}", flush=True)
-            else:
-                rates[key] = rate
+    for key, (code, _, _) in run_parallel(list(evals), lambda k: start_evaluation(evals[k], eval_path(k)),
+                                          a.parallel, a.timeout_s).items():
+        if code == 0:
+            rates[key] = json.loads(eval_path(key).read_text())["success_rate"]
+        else:
+            why = "timed out" if code is None else f"exit {code}"
+            failures["eval_" + "_".join(map(str, key))] = (f"evaluate.py {' '.join(evals[key])}: {why}; its log "
+                                                           f"ends:\n{tail(eval_path(key).with_suffix('.log'))}")
+            print(f"[reach_gains] evaluation {key}: FAILED ({why})", flush=True)
 
     rows = []
     print(f"\nSuccess on the first set / held-out set ({a.episodes} episodes each), gain in points over the "

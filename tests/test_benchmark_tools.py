@@ -145,56 +145,97 @@ def test_reach_gains_variants_and_gain():
     assert reach_gains.success_gain((0.616, 0.604), (0.409, 0.428)) == pytest.approx(19.15)
 
 
+class _Done:
+    """A finished process, as far as run_parallel looks (poll)."""
+
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
 def test_reach_gains_runs_every_variant_and_seed_and_reports_failures(tmp_path, monkeypatch, capsys):
     """The launcher and the evaluator replaced: every (variant, seed) is trained once with its overrides,
-    every run and the starting model are evaluated on both sets of each seed, and a failed run is
-    reported (exit 1) without hiding the others."""
+    every run and the starting model are evaluated on both sets of each seed, a run stopped by the time
+    limit is measured from its last checkpoint and marked, and a failed run is reported (exit 1)
+    without hiding the others."""
     import reach_gains
-    trained = []
+    trained, evaluated, stopped = [], [], []
 
-    def fake_launcher(args, run_dir, timeout_s, label):
+    def fake_launcher(args, run_dir):
         sets = [args[i + 1] for i, x in enumerate(args) if x == "--set"]
         trained.append((run_dir.name, sets))
-        if run_dir.name == "bad_s2":
-            raise reach_gains.BenchmarkError("bad seed 2: run_local.sh exited with code 1")
-        if run_dir.name == "good_s2":                  # stopped by the timeout after a checkpoint
-            (run_dir / "checkpoints").mkdir(parents=True)
-            (run_dir / "checkpoints" / "ckpt_00000003.pt").write_bytes(b"")
-            raise reach_gains.BenchmarkError("good seed 2: not finished within 5 s; the launcher's log ends:")
         run_dir.mkdir(parents=True, exist_ok=True)
+        if run_dir.name == "bad_s2":
+            (run_dir / "launcher.log").write_text("Traceback: boom\n")
+            return _Done(1)
+        if run_dir.name == "good_s2":                  # still running at the time limit, after a checkpoint
+            (run_dir / "checkpoints").mkdir()
+            (run_dir / "checkpoints" / "ckpt_00000003.pt").write_bytes(b"")
+            return _Done(None)
         (run_dir / "summary.json").write_text(json.dumps({"wall_s": 12.0}))
-        return 13.0, []
+        return _Done(0)
 
-    evaluated = []
-
-    def fake_evaluate(args, out, timeout_s):
+    def fake_evaluation(args, out):
         evaluated.append(args)
         seed = int(args[args.index("--seed") + 1])
         held = seed >= reach_gains.HELD_OUT
         if "--checkpoint" in args:                       # the starting model
-            return 0.40 if not held else 0.42
-        return {"good": 0.65, "bad": 0.5}[Path(args[0]).name.split("_")[0]] + (0.01 if held else 0.0)
+            rate = 0.40 if not held else 0.42
+        else:
+            rate = {"good": 0.65, "bad": 0.5}[Path(args[0]).name.split("_")[0]] + (0.01 if held else 0.0)
+        out.write_text(json.dumps({"success_rate": rate, "env_steps": 1000}))
+        return _Done(0)
 
-    monkeypatch.setattr(reach_gains, "run_launcher", fake_launcher)
-    monkeypatch.setattr(reach_gains, "evaluate", fake_evaluate)
+    monkeypatch.setattr(reach_gains, "start_launcher", fake_launcher)
+    monkeypatch.setattr(reach_gains, "start_evaluation", fake_evaluation)
+    monkeypatch.setattr(reach_gains, "stop_launcher", lambda p: stopped.append(p) or [])
     code = reach_gains.main(["--config", str(ROOT / "configs" / "vla_tokens_reach_grpo.json"),
                              "--set", "policy.vla_config.model_path=x", "--variant", "good",
                              "--variant", "bad algorithm.cfg.gamma=1.0", "--seeds", "1,2", "--steps", "1000",
-                             "--device", "cuda:0", "--actor-device", "cpu", "--parallel", "3", "--episodes", "10", "--out", str(tmp_path)])
+                             "--device", "cuda:0", "--actor-device", "cpu", "--parallel", "3",
+                             "--timeout-s", "0.3", "--episodes", "10", "--out", str(tmp_path)])
     assert code == 1
-    names = sorted(n for n, _ in trained)
-    assert names == ["bad_s1", "bad_s2", "good_s1", "good_s2"]
+    assert sorted(n for n, _ in trained) == ["bad_s1", "bad_s2", "good_s1", "good_s2"]
     for name, sets in trained:
         assert "trainer.eval_freq=0" in sets and "trainer.total_steps=1000" in sets
         assert f"trainer.seed={name[-1]}" == sets[-1]
         assert 'learner.device="cuda:0"' in sets and 'actors.devices=["cpu"]' in sets
         assert ("algorithm.cfg.gamma=1.0" in sets) == name.startswith("bad")
     assert len(evaluated) == 2 * 2 + 3 * 2               # the start on 2 seeds + 3 runs, 2 sets each
+    assert len(stopped) == 4 + 10                        # every process is made sure of, finished or not
     assert all(a[a.index("--device") + 1] == "cuda:0" for a in evaluated)
     out = json.loads((tmp_path / "gains.json").read_text())
     gains = {(r["variant"], r["seed"]): r["gain"] for r in out["rows"]}
     assert gains == pytest.approx({("good", 1): 24.5, ("good", 2): 24.5, ("bad", 1): 9.5})
-    assert list(out["failures"]) == ["bad_s2"]
+    assert list(out["failures"]) == ["bad_s2"] and "boom" in out["failures"]["bad_s2"]
     assert [r.get("stopped", False) for r in out["rows"]] == [False, True, False]   # good s1, good s2, bad s1
     text = capsys.readouterr().out
     assert "FAILED" in text and "+24.5*" in text and "failed" in text and "stopped" in text
+
+
+def test_reach_gains_run_parallel_bounds_and_stops_real_processes(tmp_path):
+    """Real processes in their own sessions: at most `parallel` at once, exit codes kept, one past its
+    time limit stopped (None), and when starting a job raises, the running ones are stopped too."""
+    import subprocess
+    import reach_gains
+    from _common import group_members
+    started = []
+
+    def start(job):
+        assert sum(p.poll() is None for p in started) < 2       # never more than `parallel` running
+        if job == "boom":
+            raise RuntimeError("cannot start")
+        script = {"ok": "pass", "fail": "raise SystemExit(3)", "slow": "import time; time.sleep(60)"}[job]
+        p = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+        started.append(p)
+        return p
+
+    done = reach_gains.run_parallel(["ok", "fail", "slow"], start, parallel=2, timeout_s=2.0)
+    assert done["ok"][0] == 0 and done["fail"][0] == 3 and done["slow"][0] is None
+    assert 1.5 < done["slow"][1] < 20
+    with pytest.raises(RuntimeError, match="cannot start"):
+        reach_gains.run_parallel(["slow", "boom"], start, parallel=2, timeout_s=60.0)
+    for p in started:
+        assert p.poll() is not None and not group_members(p.pid)
