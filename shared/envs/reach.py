@@ -55,7 +55,9 @@ class Reach:
             obs_keys={"rgb": ((image_size, image_size, 3), torch.uint8), "proprio": ((4,), torch.float32),
                       "instruction": ((INSTRUCTION_LEN,), torch.int64)})
         n, d = num_envs, self.device
-        self._gen = torch.Generator(device=d)
+        # Scenes are drawn on the CPU and copied to the device, so that a seed is the same episode on
+        # every device (a CUDA generator's stream differs from the CPU's); a few small tensors per reset.
+        self._gen = torch.Generator()
         self.targets = torch.zeros(n, self.num_targets, 2, device=d)
         self.goal = torch.zeros(n, dtype=torch.int64, device=d)
         self.pos = torch.zeros(n, 2, device=d)
@@ -68,12 +70,12 @@ class Reach:
     def _sample(self, idx: torch.Tensor, gen: torch.Generator) -> None:
         k = idx.numel()
         d = self.device
-        # targets on a coarse grid so they never overlap in the image
-        cells = torch.stack([torch.randperm(9, generator=gen, device=d)[:self.num_targets] for _ in range(k)])
+        # targets on a coarse grid so they never overlap in the image (drawn on the CPU: see __init__)
+        cells = torch.stack([torch.randperm(9, generator=gen)[:self.num_targets] for _ in range(k)])
         xy = torch.stack([cells % 3, cells // 3], -1).float() * (2 / 3) - (2 / 3)
-        self.targets[idx] = xy + (torch.rand(k, self.num_targets, 2, generator=gen, device=d) - 0.5) * 0.3
-        self.goal[idx] = torch.randint(0, self.num_targets, (k,), generator=gen, device=d)
-        self.pos[idx] = (torch.rand(k, 2, generator=gen, device=d) * 2 - 1) * 0.9
+        self.targets[idx] = (xy + (torch.rand(k, self.num_targets, 2, generator=gen) - 0.5) * 0.3).to(d)
+        self.goal[idx] = torch.randint(0, self.num_targets, (k,), generator=gen).to(d)
+        self.pos[idx] = ((torch.rand(k, 2, generator=gen) * 2 - 1) * 0.9).to(d)
         self.last_action[idx] = 0.0
         self.t[idx] = 0
         self.ep_return[idx] = 0.0
@@ -107,7 +109,7 @@ class Reach:
         if isinstance(seed, list):
             for s in sorted(set(seed)):  # envs given the same seed start from the same state
                 idx = torch.tensor([i for i, x in enumerate(seed) if x == s], device=self.device)
-                g = torch.Generator(device=self.device).manual_seed(s)
+                g = torch.Generator().manual_seed(s)
                 self._sample(idx[:1], g)
                 for name in ("targets", "goal", "pos"):
                     t = getattr(self, name)

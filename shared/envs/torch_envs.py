@@ -26,7 +26,9 @@ class TorchPendulum:
         self.spec = EnvSpec(obs_shape=(3,), obs_dtype=torch.float32,
                             action=ActionSpec(kind="box", shape=(1,), low=(-2.0,), high=(2.0,)),
                             max_episode_steps=max_episode_steps)
-        self._gen = torch.Generator(device=self.device)
+        # Initial states are drawn on the CPU and copied to the device, so that a seed is the same
+        # episode on every device (a CUDA generator's stream differs from the CPU's).
+        self._gen = torch.Generator()
         self._theta = torch.zeros(num_envs, device=self.device)
         self._theta_dot = torch.zeros(num_envs, device=self.device)
         self._t = torch.zeros(num_envs, dtype=torch.int64, device=self.device)
@@ -38,8 +40,8 @@ class TorchPendulum:
     def _reset_where(self, mask: torch.Tensor) -> None:
         n = int(mask.sum())
         if n:
-            self._theta[mask] = (torch.rand(n, generator=self._gen, device=self.device) * 2 - 1) * math.pi
-            self._theta_dot[mask] = torch.rand(n, generator=self._gen, device=self.device) * 2 - 1
+            self._theta[mask] = ((torch.rand(n, generator=self._gen) * 2 - 1) * math.pi).to(self.device)
+            self._theta_dot[mask] = (torch.rand(n, generator=self._gen) * 2 - 1).to(self.device)
             self._t[mask] = 0
             self._ep_return[mask] = 0.0
 
@@ -50,8 +52,8 @@ class TorchPendulum:
             for s in sorted(set(seed)):  # envs with the same seed get the same initial state
                 mask = torch.tensor([x == s for x in seed], device=self.device)
                 self._gen.manual_seed(s)
-                theta = (torch.rand(1, generator=self._gen, device=self.device) * 2 - 1) * math.pi
-                theta_dot = torch.rand(1, generator=self._gen, device=self.device) * 2 - 1
+                theta = ((torch.rand(1, generator=self._gen) * 2 - 1) * math.pi).to(self.device)
+                theta_dot = (torch.rand(1, generator=self._gen) * 2 - 1).to(self.device)
                 self._theta[mask], self._theta_dot[mask] = theta, theta_dot
             self._t.zero_()
             self._ep_return.zero_()
