@@ -15,9 +15,10 @@ evaluator's seeds (``trainer.seed + 1,000,003``: the "first set") and held-out o
 starting model's on the same episodes.
 
 ``--device`` puts the learner, the actors and the evaluations on one device, ``--actor-device`` the
-actors elsewhere (default: each as the config says). Prints a table (variant x seed: first set / held-out -> gain, and the mean gain) and
-writes ``DIR/gains.json``. Runs that fail or time out are reported, not retried; nothing is left
-running.
+actors elsewhere (default: each as the config says). Prints a table (variant x seed: first set /
+held-out -> gain, and the mean gain) and writes ``DIR/gains.json``. A run stopped by its time limit is
+measured from its last checkpoint and marked; runs that fail are reported, not retried. Ctrl-C or
+SIGTERM stops every run and evaluation: nothing is left running.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from _common import ROOT, BenchmarkError, child_env, raise_on_signal, start_launcher, stop_launcher, tail
+from _common import ROOT, child_env, raise_on_signal, start_launcher, stop_launcher, tail
 from learner.checkpoint import list_checkpoints
 
 FIRST, HELD_OUT = 1_000_003, 2_000_003
@@ -168,7 +169,8 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
             print(f"[reach_gains] {label} seed {seed}: stopped at the {a.timeout_s:.0f} s limit; its last "
                   f"checkpoint is measured, marked *{note}", flush=True)
         else:
-            why = f"not finished within {a.timeout_s:.0f} s" if code is None else f"run_local.sh exited with code {code}"
+            why = (f"not finished within {a.timeout_s:.0f} s" if code is None
+                   else f"run_local.sh exited with code {code}")
             failures[f"{label}_s{seed}"] = f"{why}; its log ends:\n{tail(d / 'launcher.log')}"
             print(f"[reach_gains] {label} seed {seed}: FAILED: {failures[f'{label}_s{seed}']}", flush=True)
 
