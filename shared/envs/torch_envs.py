@@ -1,4 +1,5 @@
-"""Torch-native batched simulators: every tensor stays on the env's device.
+"""Torch-native batched simulators: the state and every tensor they return stay on the env's device
+(initial states are drawn on the CPU and copied there, so that a seed is the same episode everywhere).
 
 These implement :class:`~shared.envs.base.BatchedEnv` directly in torch, the way GPU simulators
 (Isaac Lab, MuJoCo Warp, ManiSkill) hand tensors to the policy. ``Pendulum`` mirrors gymnasium's
