@@ -90,12 +90,6 @@ def start_evaluation(args: list[str], out: Path) -> subprocess.Popen:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def env_steps_of(out_dir: Path, label: str, seed: int) -> int | None:
-    """The env steps of the checkpoint a run's first-set evaluation measured."""
-    path = out_dir / f"eval_{label}_{seed}_first.json"
-    return json.loads(path.read_text()).get("env_steps") if path.is_file() else None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -190,11 +184,12 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
     def eval_path(key):
         return a.out / ("eval_" + "_".join(str(k) for k in key) + ".json")
 
-    rates = {}
+    rates, env_steps = {}, {}
     for key, (code, _, _) in run_parallel(list(evals), lambda k: start_evaluation(evals[k], eval_path(k)),
                                           a.parallel, a.timeout_s).items():
         if code == 0:
-            rates[key] = json.loads(eval_path(key).read_text())["success_rate"]
+            result = json.loads(eval_path(key).read_text())
+            rates[key], env_steps[key] = result["success_rate"], result.get("env_steps")
         else:
             why = "timed out" if code is None else f"exit {code}"
             failures["eval_" + "_".join(map(str, key))] = (f"evaluate.py {' '.join(evals[key])}: {why}; its log "
@@ -222,7 +217,7 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
             cells.append(f"{100 * r[0]:5.1f} / {100 * r[1]:.1f}% -> {g:+5.1f}{'*' if stopped else ''}")
             rows.append({"variant": label, "overrides": sets, "seed": s, "first": r[0], "held_out": r[1],
                          "start_first": start[s][0], "start_held_out": start[s][1], "gain": g,
-                         "env_steps": env_steps_of(a.out, label, s),
+                         "env_steps": env_steps.get((label, s, "first")),
                          **runs.get((label, s), {})})
         mean = f"{sum(gains) / len(gains):+10.1f}" if gains else f"{'-':>10s}"
         print(f"{label:12s}" + "".join(f"{c:>24s}" for c in cells) + mean)

@@ -210,6 +210,7 @@ def test_reach_gains_runs_every_variant_and_seed_and_reports_failures(tmp_path, 
     gains = {(r["variant"], r["seed"]): r["gain"] for r in out["rows"]}
     assert gains == pytest.approx({("good", 1): 24.5, ("good", 2): 24.5, ("bad", 1): 9.5})
     assert list(out["failures"]) == ["bad_s2"] and "boom" in out["failures"]["bad_s2"]
+    assert all(r["env_steps"] == 1000 for r in out["rows"])      # from the evaluations' JSON
     assert [r.get("stopped", False) for r in out["rows"]] == [False, True, False]   # good s1, good s2, bad s1
     text = capsys.readouterr().out
     assert "FAILED" in text and "+24.5*" in text and "failed" in text and "stopped" in text
