@@ -277,12 +277,15 @@ def test_concurrent_put_and_take_account_for_every_rollout():
     overwritten: list[int] = []
     errors: list[BaseException] = []
     stop = threading.Event()                   # set if the main thread fails, so the producer ends too
+    took = threading.Event()                   # set once the consumer has taken a rollout
 
     def produce():
         try:
             for rid, rollout in enumerate(rollouts, start=1):
                 if stop.is_set():
                     return
+                if rid == n_rollouts // 2:     # the scheduler may run this thread to the end before
+                    took.wait(timeout=10)      # the consumer takes once: hold half the puts until it has
                 info = buf.put(rollout, {"id": rid})
                 if info is not None:
                     overwritten.append(info["id"])
@@ -300,6 +303,8 @@ def test_concurrent_put_and_take_account_for_every_rollout():
             rollout_ids = ids_of(got.data, check_fields=False)
             assert rollout_ids == info_ids(got.infos)
             taken += rollout_ids
+            if taken:
+                took.set()
     finally:
         stop.set()
         producer.join(timeout=10)
