@@ -307,6 +307,7 @@ def test_concurrent_put_and_take_account_for_every_rollout():
                 took.set()
     finally:
         stop.set()
+        took.set()                             # a producer still waiting on the consumer ends at once
         producer.join(timeout=10)
     assert not producer.is_alive(), "producer did not finish"
     assert errors == []
