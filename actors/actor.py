@@ -26,6 +26,7 @@ from actors.rollout import Collector, sends_bootstrap_obs
 from shared import wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
+from shared.instructions import instruction_tokenizer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
@@ -60,7 +61,8 @@ class Actor:
         self.learner_timeout_s = learner_timeout_s
         seed = cfg.trainer.seed * 100_003 + 1_000 * actor_id
         torch.manual_seed(seed)
-        self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device)
+        self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device,
+                            tokenizer=instruction_tokenizer(cfg))
         self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
         self.base_digest = frozen_digest(self.policy)   # the frozen base it loaded: must be the learner's
         slow = not cfg.actors.slow_actor_ids or actor_id in cfg.actors.slow_actor_ids

@@ -38,6 +38,7 @@ from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_te
 from learner.evaluator import evaluate  # noqa: E402
 from shared.config import Config, ConfigError, load_config  # noqa: E402
 from shared.envs import make_env  # noqa: E402
+from shared.instructions import instruction_tokenizer  # noqa: E402
 from shared.policies import frozen_digest, make_policy  # noqa: E402
 
 HELD_OUT = 2_000_003   # default seed offset: beyond the in-run evaluations' trainer.seed + 1,000,003 + count
@@ -105,7 +106,8 @@ def run_evaluation(cfg: Config, checkpoint: Path | None, episodes: int, batch: i
     """Evaluate `checkpoint` (None: the untrained or pretrained policy) on `episodes` deterministic
     episodes, `batch` envs at a time, batch k reset with seed ``seed + k``. Returns the figures."""
     t0 = time.perf_counter()
-    env = make_env(cfg.env.id, min(batch, episodes), cfg.env.cfg, device)
+    tokenizer = instruction_tokenizer(cfg)
+    env = make_env(cfg.env.id, min(batch, episodes), cfg.env.cfg, device, tokenizer=tokenizer)
     try:
         policy = make_policy(cfg, env.spec).to(device).eval()
         state = load_policy_checkpoint(policy, checkpoint) if checkpoint is not None else {}
@@ -118,7 +120,7 @@ def run_evaluation(cfg: Config, checkpoint: Path | None, episodes: int, batch: i
             n = min(batch, episodes - len(returns))
             if n != env.num_envs:
                 env.close()
-                env = make_env(cfg.env.id, n, cfg.env.cfg, device)
+                env = make_env(cfg.env.id, n, cfg.env.cfg, device, tokenizer=tokenizer)
             r, ln, s = evaluate(policy, env, n, seed=seed + k)
             if not r:
                 raise EvaluateError(f"batch {k} (seed {seed + k}) ended no episode within the env's step limit")

@@ -40,6 +40,7 @@ from learner.evaluator import evaluate  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ConfigError, load_config  # noqa: E402
 from shared.envs import make_env  # noqa: E402
+from shared.instructions import instruction_tokenizer  # noqa: E402
 
 CORRECTIONS = ("none", "is", "vtrace", "appo", "ewma", "mask")
 
@@ -57,7 +58,7 @@ def record_mean_lag(run_dir: Path) -> float:
 
 def evaluate_final(learner, episodes: int, seed: int) -> float:
     cfg = learner.cfg
-    env = make_env(cfg.env.id, episodes, cfg.env.cfg, "cpu")
+    env = make_env(cfg.env.id, episodes, cfg.env.cfg, "cpu", tokenizer=instruction_tokenizer(cfg))
     try:
         policy = learner.policy.to("cpu").eval()
         returns, _, _ = evaluate(policy, env, episodes, seed)

@@ -23,6 +23,7 @@ from learner.checkpoint import load_checkpoint, save_atomic
 from shared import keys, wire
 from shared.config import Config, config_from_dict
 from shared.envs import make_env
+from shared.instructions import instruction_tokenizer
 from shared.metrics import mean_metrics
 from shared.policies import frozen_digest, make_policy, published_state
 from shared.security import CurveClient
@@ -339,7 +340,8 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
         if not os.environ.get("DISPLAY"):
             os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
         os.environ.setdefault("LP_NUM_THREADS", "1")    # Mesa's software rasteriser: one thread, not one per core
-    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, t.eval_device, render=t.video.every > 0)
+    env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, t.eval_device, render=t.video.every > 0,
+                   tokenizer=instruction_tokenizer(cfg))
     policy = make_policy(cfg, env.spec).to(t.eval_device).eval()
     video = VideoRecorder(cfg, run_dir, env)
     best = BestKeeper(run_dir, t.keep_best, resume)

@@ -334,6 +334,10 @@ class VLAConfig:
     """Run forward passes under ``torch.autocast`` in bfloat16 (where the device supports it)."""
     lora: Optional[LoRAConfig] = None
     """Train low-rank adapters instead of the model's own weights (needs ``pip install -e '.[vla]'``)."""
+    tokenizer: str = ""
+    """The model's tokenizer for text instructions (``env.cfg.instructions: "text"``): a
+    ``tokenizer.json`` or a directory holding one. Empty: ``model_path``'s, when it has one. Only the
+    processes that step envs load it (``shared/instructions.py``)."""
 
 
 @dataclass

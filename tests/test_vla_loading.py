@@ -362,9 +362,10 @@ def test_from_pretrained_failure_names_path_and_class(tmp_path):
 
 
 @needs_hf
-def test_a_raw_transformers_model_implements_neither_interface(llama_dirs):
-    with pytest.raises(VLALoadError, match=r"'transformers\.LlamaForCausalLM': LlamaForCausalLM implements neither "
-                                           r"interface: has forward but no get_value, evaluate_actions"):
+def test_a_raw_transformers_model_is_told_which_adapter_to_use(llama_dirs):
+    with pytest.raises(VLALoadError, match=r"'transformers\.LlamaForCausalLM': a LlamaForCausalLM needs an adapter .*"
+                                           r"'shared\.policies\.action_tokens\.ActionTokenPolicy', keep model_path.*"
+                                           r"action_dim, low, high, n_bins, binning"):
         load_vla_model(str(llama_dirs[1]), LLAMA, {})
 
 

@@ -11,7 +11,7 @@ MANISKILL_PREFIX = "maniskill/"   # ManiSkill3 tasks (shared/envs/maniskill.py; 
 
 
 def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
-             device: str | torch.device = "cpu", render: bool = False) -> BatchedEnv:
+             device: str | torch.device = "cpu", render: bool = False, tokenizer=None) -> BatchedEnv:
     """Build ``num_envs`` envs of ``env_id`` as one :class:`BatchedEnv`.
 
     ``tandem/<Name>`` ids are torch-native batched simulators that run on ``device``;
@@ -19,13 +19,16 @@ def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
     is a gymnasium id stepped on the CPU (``device`` then only says where the policy runs).
     `render`: build the envs able to render frames (``render_frames(indices)``, evaluation
     videos); torch-native envs that can render always can.
+    `tokenizer`: the model's instruction tokenizer (``shared/instructions.py``), for envs configured to
+    give text instructions; envs that give none ignore it.
     """
     if env_id.startswith(TORCH_NATIVE_PREFIX):
         from shared.envs.torch_envs import make_torch_env
-        return make_torch_env(env_id[len(TORCH_NATIVE_PREFIX):], num_envs, env_kwargs or {}, device)
+        return make_torch_env(env_id[len(TORCH_NATIVE_PREFIX):], num_envs, env_kwargs or {}, device, tokenizer)
     if env_id.startswith(MANISKILL_PREFIX):
         from shared.envs.maniskill import make_maniskill_env
-        return make_maniskill_env(env_id[len(MANISKILL_PREFIX):], num_envs, env_kwargs or {}, device, render)
+        return make_maniskill_env(env_id[len(MANISKILL_PREFIX):], num_envs, env_kwargs or {}, device, render,
+                                  tokenizer)
     from shared.envs.gym_env import GymBatchedEnv
     return GymBatchedEnv(env_id, num_envs, env_kwargs, render=render)
 
@@ -38,7 +41,8 @@ def env_spec(env_id: str, env_kwargs: dict | None = None) -> EnvSpec:
         spec = torch_env_spec(env_id[len(TORCH_NATIVE_PREFIX):], env_kwargs or {})
         if spec is not None:
             return spec
-    env = make_env(env_id, 1, env_kwargs, "cpu")
+    from shared.instructions import ShapeOnlyTokenizer
+    env = make_env(env_id, 1, env_kwargs, "cpu", tokenizer=ShapeOnlyTokenizer())   # shapes only: no tokenizer
     try:
         return env.spec
     finally:

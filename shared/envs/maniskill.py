@@ -11,9 +11,10 @@ Any installed ManiSkill3 task (``PushCube-v1``, ``PickCube-v1``, ...) with these
   or ``"physx_cuda"`` (ManiSkill's GPU-batched simulation: one scene set for all envs, tensors stay on
   the actor's device until the rollout is sent). The default follows the actor's device.
 * ``image_size``: the camera's width and height (``"rgb"`` only; the task's own when absent).
-* ``instruction``: token ids (your model's tokenizer, e.g. ``tok("pick up the cube").input_ids``) for a
-  vision-language-action model: added as an int64 ``instruction`` leaf. ``state_key`` renames ``state``
-  (``"proprio"`` for ``ActionTokenPolicy``).
+* ``instruction``: for a vision-language-action model, added as an int64 ``instruction`` leaf: text
+  (``"pick up the cube"``), tokenized in the actor with the model's own tokenizer
+  (``shared/instructions.py``) and padded to ``instruction_length`` (required with text), or a list of
+  token ids of that tokenizer. ``state_key`` renames ``state`` (``"proprio"`` for ``ActionTokenPolicy``).
 * ``sim_kwargs``: anything else ``gym.make`` accepts for that task.
 
 * ``terminate_on_success`` (false): by default an episode runs to the time limit, as in ManiSkill's
@@ -48,7 +49,8 @@ from shared.metrics import clean_metrics
 PREFIX = "maniskill/"
 SETUP = "launch/setup_maniskill.sh"
 _KEYS = {"obs_mode", "control_mode", "reward_mode", "max_episode_steps", "sim_backend", "image_size", "camera",
-         "instruction", "state_key", "sim_kwargs", "terminate_on_success"}
+         "instruction", "state_key", "sim_kwargs", "terminate_on_success",
+         "instruction_length"}
 
 
 def vulkan_dir() -> Path:
@@ -164,7 +166,7 @@ class ManiSkillEnv:
     """``num_envs`` envs of one ManiSkill3 task (see the module docstring for ``cfg``)."""
 
     def __init__(self, task: str, num_envs: int, cfg: dict | None = None, device: str | torch.device = "cpu",
-                 render: bool = False):
+                 render: bool = False, tokenizer=None):
         cfg = dict(cfg or {})
         unknown = sorted(set(cfg) - _KEYS)
         if unknown:
@@ -178,10 +180,21 @@ class ManiSkillEnv:
         if backend not in ("physx_cpu", "physx_cuda"):
             raise ValueError(f"maniskill/{task}: env.cfg.sim_backend={backend!r}; choose 'physx_cpu' or 'physx_cuda'")
         instr = cfg.get("instruction")
-        if instr is not None and not (isinstance(instr, list) and instr and all(
+        length = cfg.get("instruction_length")
+        if isinstance(instr, str) and instr.strip():
+            if not (isinstance(length, int) and not isinstance(length, bool) and 1 <= length <= 512):
+                raise ValueError(f"maniskill/{task}: env.cfg.instruction_length must be an integer in [1, 512] "
+                                 f"with a text instruction (the ids are padded to it), got {length!r}")
+            if tokenizer is None:
+                raise ValueError(f"maniskill/{task}: a text env.cfg.instruction needs the model's tokenizer "
+                                 f"(actors load it from vla_config.model_path or vla_config.tokenizer)")
+            instr = tokenizer.table([instr], length, f"maniskill/{task}: env.cfg.instruction_length")[0].tolist()
+        elif instr is not None and not (isinstance(instr, list) and instr and all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in instr)):
-            raise ValueError(f"maniskill/{task}: env.cfg.instruction must be a non-empty list of token ids, "
+            raise ValueError(f"maniskill/{task}: env.cfg.instruction must be text or a non-empty list of token ids, "
                              f"got {instr!r}")
+        elif length is not None:
+            raise ValueError(f"maniskill/{task}: env.cfg.instruction_length applies to a text instruction only")
         size = cfg.get("image_size")
         if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and 8 <= size <= 4096):
             raise ValueError(f"maniskill/{task}: env.cfg.image_size={size!r} must be an integer in [8, 4096]")
@@ -225,7 +238,8 @@ class ManiSkillEnv:
                               high=tuple(float(x) for x in space.high.reshape(-1))),
             max_episode_steps=self.max_episode_steps,
             obs_keys={} if self.obs_mode == "state" else {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()},
-            extra={"maniskill_task": task, "control_mode": self.control_mode, "sim_backend": backend})
+            extra={"maniskill_task": task, "control_mode": self.control_mode, "sim_backend": backend,
+                   **({"instructions": "text"} if self.instruction is not None else {})})
         self._low = torch.tensor(self.spec.action.low, device=self.device)
         self._high = torch.tensor(self.spec.action.high, device=self.device)
 
@@ -313,5 +327,5 @@ class ManiSkillEnv:
 
 
 def make_maniskill_env(task: str, num_envs: int, cfg: dict | None, device: str | torch.device,
-                       render: bool = False) -> ManiSkillEnv:
-    return ManiSkillEnv(task, num_envs, cfg, device, render)
+                       render: bool = False, tokenizer=None) -> ManiSkillEnv:
+    return ManiSkillEnv(task, num_envs, cfg, device, render, tokenizer)

@@ -20,6 +20,11 @@ always reaches the same target scores 1 in one member and 0 in the others, so re
 wrong instruction gets a negative advantage. The group mean stays a valid baseline (it does not
 depend on the member's own actions beyond its own return, as in any GRPO group), only no longer a
 per-instruction one. Resets with an int seed (the evaluator) are unaffected.
+
+Instructions (``instructions=``): ``"ids"`` (default) gives ids of Reach's own 8-id vocabulary
+(``TOKENS``), for models pretrained on them. ``"text"`` says "reach red" (``TEXTS``) in words, and
+the ids are those of the model's own tokenizer (``shared/instructions.py``), padded to
+``instruction_length`` with its padding id: what a pretrained VLM understands.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ COLORS = torch.tensor([[255, 40, 40], [40, 255, 40], [60, 60, 255]], dtype=torch
 TOKENS = {"<pad>": 0, "reach": 1, "red": 2, "green": 3, "blue": 4}
 VOCAB_SIZE = 8
 INSTRUCTION_LEN = 4
+TEXTS = ("reach red", "reach green", "reach blue")   # target k's instruction, in words (instructions="text")
+OWN_VOCABULARY = f"tandem/Reach-v0's own {VOCAB_SIZE} ids: {', '.join(k for k in TOKENS)}"
 
 
 class Reach:
@@ -39,7 +46,8 @@ class Reach:
 
     def __init__(self, num_envs: int, device: str | torch.device = "cpu", image_size: int = 16,
                  max_episode_steps: int = 30, step_size: float = 0.15, success_radius: float = 0.15,
-                 reward: str = "dense", group_goals: str = "same"):
+                 reward: str = "dense", group_goals: str = "same", instructions: str = "ids",
+                 instruction_length: int = INSTRUCTION_LEN, tokenizer=None):
         if reward not in ("dense", "success"):
             raise ValueError(f"Reach: reward={reward!r} must be 'dense' or 'success'")
         if group_goals not in ("same", "rotate"):
@@ -48,12 +56,18 @@ class Reach:
         self.num_envs, self.device = num_envs, torch.device(device)
         self.image_size, self.max_episode_steps = image_size, max_episode_steps
         self.step_size, self.success_radius = step_size, success_radius
-        self.spec = EnvSpec(
-            obs_shape=(), obs_dtype=torch.float32,
-            action=ActionSpec(kind="box", shape=(2,), low=(-1.0, -1.0), high=(1.0, 1.0)),
-            max_episode_steps=max_episode_steps,
-            obs_keys={"rgb": ((image_size, image_size, 3), torch.uint8), "proprio": ((4,), torch.float32),
-                      "instruction": ((INSTRUCTION_LEN,), torch.int64)})
+        self.spec = self.spec_for(image_size=image_size, max_episode_steps=max_episode_steps,
+                                  instructions=instructions, instruction_length=instruction_length)
+        if instructions == "text":
+            if tokenizer is None:
+                raise ValueError("Reach: instructions='text' needs the model's tokenizer (make_env(..., tokenizer=); "
+                                 "actors load it from vla_config.model_path or vla_config.tokenizer)")
+            table = tokenizer.table(list(TEXTS), instruction_length, "env.cfg.instruction_length")   # [3, L]
+        else:
+            table = torch.zeros(self.num_targets, INSTRUCTION_LEN, dtype=torch.int64)
+            table[:, 0] = TOKENS["reach"]
+            table[:, 1] = torch.arange(self.num_targets) + TOKENS["red"]
+        self._instructions = table.to(self.device)                   # target k's instruction ids
         n, d = num_envs, self.device
         # Scenes are drawn on the CPU and copied to the device, so that a seed is the same episode on
         # every device (a CUDA generator's stream differs from the CPU's); a few small tensors per reset.
@@ -65,6 +79,25 @@ class Reach:
         self.t = torch.zeros(n, dtype=torch.int64, device=d)
         self.ep_return = torch.zeros(n, dtype=torch.float64, device=d)
         self._colors = COLORS.to(d)
+
+    @staticmethod
+    def spec_for(image_size: int = 16, max_episode_steps: int = 30, instructions: str = "ids",
+                 instruction_length: int = INSTRUCTION_LEN, **_ignored) -> EnvSpec:
+        """The spec for these ``env.cfg`` values, without building the env (nor a tokenizer)."""
+        if instructions not in ("ids", "text"):
+            raise ValueError(f"Reach: instructions={instructions!r} must be 'ids' or 'text'")
+        if instructions == "ids" and instruction_length != INSTRUCTION_LEN:
+            raise ValueError(f"Reach: instruction_length={instruction_length} applies to instructions='text' only "
+                             f"(Reach's own ids are {INSTRUCTION_LEN} long)")
+        if not (isinstance(instruction_length, int) and 1 <= instruction_length <= 512):
+            raise ValueError(f"Reach: instruction_length={instruction_length!r} must be an integer in [1, 512]")
+        return EnvSpec(
+            obs_shape=(), obs_dtype=torch.float32,
+            action=ActionSpec(kind="box", shape=(2,), low=(-1.0, -1.0), high=(1.0, 1.0)),
+            max_episode_steps=max_episode_steps,
+            obs_keys={"rgb": ((image_size, image_size, 3), torch.uint8), "proprio": ((4,), torch.float32),
+                      "instruction": ((instruction_length,), torch.int64)},
+            extra={"instructions": "text" if instructions == "text" else OWN_VOCABULARY})
 
     # ------------------------------------------------------------------ state
     def _sample(self, idx: torch.Tensor, gen: torch.Generator) -> None:
@@ -90,9 +123,7 @@ class Reach:
             for dx in (0, 1):
                 for k in range(self.num_targets):
                     img[rows[:, 0], pix[:, k, 1] + dy, pix[:, k, 0] + dx] = self._colors[k]
-        instr = torch.zeros(n, INSTRUCTION_LEN, dtype=torch.int64, device=self.device)
-        instr[:, 0] = TOKENS["reach"]
-        instr[:, 1] = self.goal + TOKENS["red"]
+        instr = self._instructions[self.goal]                                     # [n, L]
         proprio = torch.cat([self.pos, self.last_action], -1)
         return TensorDict({"rgb": img, "proprio": proprio, "instruction": instr}, batch_size=[n], device=self.device)
 

@@ -100,6 +100,11 @@ def _reach(**kwargs):
     return Reach(**kwargs)
 
 
+def _reach_spec(**kwargs):
+    from shared.envs.reach import Reach
+    return Reach.spec_for(**kwargs)
+
+
 def _mjwarp_half_cheetah(**kwargs):
     from shared.envs.mjwarp import MJWarpHalfCheetah
     return MJWarpHalfCheetah(**kwargs)
@@ -112,7 +117,9 @@ def _mjwarp_half_cheetah_spec(**kwargs):
 
 _REGISTRY = {"Pendulum-v0": TorchPendulum, "Reach-v0": _reach, "MJWarpHalfCheetah-v0": _mjwarp_half_cheetah}
 # Envs whose spec is known without building the simulator (the others build one env on the CPU for it).
-_SPECS = {"MJWarpHalfCheetah-v0": _mjwarp_half_cheetah_spec}
+_SPECS = {"MJWarpHalfCheetah-v0": _mjwarp_half_cheetah_spec, "Reach-v0": _reach_spec}
+# Envs that can give their instructions as text (they take a tokenizer).
+_TEXT = {"Reach-v0"}
 
 
 def torch_env_spec(name: str, kwargs: dict):
@@ -120,8 +127,11 @@ def torch_env_spec(name: str, kwargs: dict):
     return _SPECS[name](**kwargs) if name in _SPECS else None
 
 
-def make_torch_env(name: str, num_envs: int, kwargs: dict, device: str | torch.device):
+def make_torch_env(name: str, num_envs: int, kwargs: dict, device: str | torch.device, tokenizer=None):
+    """``tandem/<name>``; `tokenizer` (``shared/instructions.py``) goes to the envs that can give text
+    instructions."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown torch-native env 'tandem/{name}' (known: "
                          f"{', '.join('tandem/' + k for k in _REGISTRY)})")
-    return _REGISTRY[name](num_envs=num_envs, device=device, **kwargs)
+    extra = {"tokenizer": tokenizer} if tokenizer is not None and name in _TEXT else {}
+    return _REGISTRY[name](num_envs=num_envs, device=device, **kwargs, **extra)

@@ -30,10 +30,33 @@ def _build_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
     if cfg.policy.name == "actor_only":
         return ActorCritic(spec, cfg.policy, with_critic=False)
     if cfg.policy.name == "vla":
-        from shared.policies.vla import VLAPolicy, load_vla_model
-        v = cfg.policy.vla_config
-        return VLAPolicy(load_vla_model(v.model_path, v.model_class, v.model_config), v)
+        return _build_vla(cfg, spec)
     raise ValueError(f"{cfg.source}: policy.name {cfg.policy.name!r} is not available")
+
+
+def _build_vla(cfg: Config, spec: EnvSpec) -> nn.Module:
+    """A VLA policy, checked against the env (action size, instruction vocabulary), with what it adapts
+    logged once."""
+    import logging
+
+    from shared.instructions import check_instruction_vocabulary
+    from shared.policies.vla import VLALoadError, VLAPolicy, load_vla_model
+    v = cfg.policy.vla_config
+    model = load_vla_model(v.model_path, v.model_class, v.model_config)
+    action_dim = getattr(model, "action_dim", None)
+    if spec is not None and isinstance(action_dim, int) and spec.action.kind == "box" and action_dim != spec.action.dim:
+        raise VLALoadError(f"{cfg.source}: vla_config.model_config.action_dim is {action_dim} (model at "
+                           f"{v.model_path!r}), env {cfg.env.id} takes {spec.action.dim}-dimensional actions")
+    policy = VLAPolicy(model, v)
+    check_instruction_vocabulary(cfg, spec, policy)
+    log = logging.getLogger("tandem.vla")
+    source = getattr(model, "source", None)
+    if source:
+        log.info("VLA: %s from %s (Tandem adapter files: %s)", source["backbone"], source["path"],
+                 "read" if source["adapter_config"] else "none, settings from vla_config.model_config")
+    for line in getattr(model, "adaptations", lambda _spec: [])(spec):
+        log.info("VLA: %s", line)
+    return policy
 
 
 def has_critic(policy: nn.Module) -> bool:

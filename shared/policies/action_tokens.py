@@ -53,35 +53,65 @@ from torch import nn
 from torch.distributions import Distribution
 
 DECODING_MODES = ("parallel", "autoregressive")
+BINNINGS = ("centres", "openvla")   # ActionBins conventions
 GEMMA_NEWLINE_ID = 108   # "\n" in the Gemma tokenizer: PaliGemma's prefix terminator
 
 
 class ActionBins:
-    """Uniform bins over ``[low, high]`` per dimension, with the bounds themselves as centres.
+    """Uniform bins over ``[low, high]`` per dimension: action values <-> bin indices ``[0, n_bins)``.
 
-    Centre ``k`` is ``low + k * (high - low) / (n_bins - 1)``: bin 0 is centred on ``low`` and bin
-    ``n_bins - 1`` on ``high``, so both bounds round-trip exactly and any action in bounds comes
-    back within half a bin width. Actions outside the bounds clamp to the end bins.
+    Bin ``k`` is the action token ``token_offset + k``. Two conventions (``binning=``):
+
+    * ``"centres"`` (Tandem's): centre ``k`` is ``low + k * (high - low) / (n_bins - 1)``, so bin 0 is
+      centred on ``low`` and bin ``n_bins - 1`` on ``high``; both bounds round-trip exactly and any
+      action in bounds comes back within half a bin width (``round(u * (n_bins - 1))``, ``u`` the
+      action scaled to ``[0, 1]``).
+    * ``"openvla"`` (OpenVLA's ``ActionTokenizer``): ``n_bins`` edges ``linspace(low, high, n_bins)``
+      and the ``n_bins - 1`` midpoints between them as centres. An action is clipped to the bounds and
+      digitised, ``d = #{edges <= a}`` in ``[1, n_bins]``, and its token is ``vocab_end - d``: the
+      token order runs *down* as the action goes up, so bin ``k = n_bins - d``. Decoding takes centre
+      ``clip(n_bins - 1 - k, 0, n_bins - 2)``, which folds bin 0 (only ``a == high`` encodes to it)
+      onto bin 1's centre. Both tokens mean one action, so the policy's distribution merges their
+      probability into bin 1 (:meth:`merge`): sampling, ``log_prob`` and the entropy are those of the
+      action the env receives, and bin 0 is never sampled. With ``token_offset = vocab_end - n_bins``
+      (OpenVLA's Llama tokenizer: ``vocab_end`` = 32,000, the model's 64 padding ids after it, so
+      ``reserve_tail=64``) the token ids equal OpenVLA's.
 
     The bounds are float32 config, not module state: ``model.to(torch.bfloat16)`` must not round
     them, and weights files need not carry them. They follow the device of what they are applied to.
 
     Args:
         low, high: scalars, or one value per dimension (broadcast together); ``high > low``.
-        n_bins: number of bins, at least 2.
+        n_bins: number of bins (tokens), at least 2 (3 for ``"openvla"``: one centre needs two edges
+            and a folded bin).
+        binning: ``"centres"`` or ``"openvla"``.
     Raises:
-        ValueError: ``n_bins < 2``, or bounds that are not finite with ``high > low``.
+        ValueError: too few bins, an unknown convention, or bounds that are not finite with ``high > low``.
     """
 
     def __init__(self, low: float | Sequence[float] | torch.Tensor, high: float | Sequence[float] | torch.Tensor,
-                 n_bins: int = 256):
-        if n_bins < 2:
-            raise ValueError(f"ActionBins: n_bins={n_bins} must be >= 2")
+                 n_bins: int = 256, binning: str = "centres"):
+        if binning not in BINNINGS:
+            raise ValueError(f"ActionBins: binning={binning!r} is not one of {BINNINGS}")
+        if n_bins < (2 if binning == "centres" else 3):
+            raise ValueError(f"ActionBins: n_bins={n_bins} must be >= {2 if binning == 'centres' else 3} "
+                             f"for binning {binning!r}")
         low_t, high_t = torch.broadcast_tensors(torch.as_tensor(low, dtype=torch.float32),
                                                 torch.as_tensor(high, dtype=torch.float32))
         if not (torch.isfinite(low_t).all() and torch.isfinite(high_t).all() and (high_t > low_t).all()):
             raise ValueError(f"ActionBins: need finite bounds with high > low, got low={low}, high={high}")
-        self.low, self.high, self.n_bins = low_t.clone(), high_t.clone(), n_bins
+        self.low, self.high, self.n_bins, self.binning = low_t.clone(), high_t.clone(), n_bins, binning
+        if binning == "openvla":
+            # float64 edges [*D, n_bins], as numpy's linspace gives them; centres [*D, n_bins - 1]
+            lo, hi = self.low.double().unsqueeze(-1), self.high.double().unsqueeze(-1)
+            self._edges = torch.arange(n_bins, dtype=torch.float64) * ((hi - lo) / (n_bins - 1)) + lo   # numpy's
+            self._edges[..., -1] = hi[..., 0]                                                     # linspace
+            self._centres = ((self._edges[..., :-1] + self._edges[..., 1:]) / 2).float()
+        # Bins that decode to another bin's action, and that bin: merged into it by merge().
+        probe = torch.arange(n_bins)[:, None].expand(n_bins, self.low.numel())                # [n_bins, D]
+        canonical = self.to_bins(self.to_actions(probe))
+        folded = (canonical != torch.arange(n_bins)[:, None]).any(-1).nonzero().squeeze(-1)
+        self._folds = [(int(k), int(canonical[k, 0])) for k in folded]
 
     @property
     def width(self) -> torch.Tensor:
@@ -91,19 +121,45 @@ class ActionBins:
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.low.device != device:   # moved once, then kept there
             self.low, self.high = self.low.to(device), self.high.to(device)
+            if self.binning == "openvla":
+                self._edges, self._centres = self._edges.to(device), self._centres.to(device)
         return self.low, self.high
 
     def to_bins(self, value: torch.Tensor) -> torch.Tensor:
-        """``[*B, D]`` float -> ``[*B, D]`` int64 bin indices in ``[0, n_bins)``: the nearest centre."""
+        """``[*B, D]`` float -> ``[*B, D]`` int64 bin indices in ``[0, n_bins)``."""
         low, high = self._on(value.device)
+        if self.binning == "openvla":
+            v = torch.maximum(torch.minimum(value.double(), high.double()), low.double())   # NaN-free clip
+            digit = (v.unsqueeze(-1) >= self._edges).sum(-1)                          # np.digitize: [1, n_bins]
+            return (self.n_bins - digit).clamp(0, self.n_bins - 1).long()
         frac = (value.float() - low) / (high - low)                     # 0 at low, 1 at high
         return (frac * (self.n_bins - 1)).round().clamp(0, self.n_bins - 1).long()
 
     def to_actions(self, bins: torch.Tensor) -> torch.Tensor:
-        """``[*B, D]`` int64 bin indices -> ``[*B, D]`` float32 bin centres."""
+        """``[*B, D]`` int64 bin indices -> ``[*B, D]`` float32 actions (the bins' centres)."""
         low, high = self._on(bins.device)
+        if self.binning == "openvla":
+            idx = (self.n_bins - 1 - bins).clamp(0, self.n_bins - 2)                 # OpenVLA's decode
+            return self._centres.expand(*bins.shape, self.n_bins - 1).gather(-1, idx.unsqueeze(-1)).squeeze(-1)
         # lerp returns exactly ``high`` at weight 1, where low + k * width could round past it.
         return torch.lerp(low.expand(bins.shape), high.expand(bins.shape), bins.float() / (self.n_bins - 1))
+
+    def to_action_bins(self, value: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`to_bins`, but a folded bin maps to the bin that carries its probability (the
+        bin a policy samples for this action): what log-probabilities are read at."""
+        bins = self.to_bins(value)
+        for src, dst in self._folds:
+            bins = bins.masked_fill(bins == src, dst)
+        return bins
+
+    def merge(self, logp: torch.Tensor) -> torch.Tensor:
+        """``[..., n_bins]`` log-probabilities over bins -> the same over actions: a bin that decodes to
+        another bin's action gives it its probability and keeps none (-inf). Identity for ``"centres"``."""
+        for src, dst in self._folds:
+            dst_t = torch.tensor([dst], device=logp.device)
+            logp = logp.index_copy(-1, dst_t, torch.logaddexp(logp[..., dst:dst + 1], logp[..., src:src + 1]))
+            logp = logp.index_fill(-1, torch.tensor([src], device=logp.device), float("-inf"))
+        return logp
 
 
 class ActionTokenDistribution(Distribution):
@@ -129,18 +185,25 @@ class ActionTokenDistribution(Distribution):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``[*S, *B, D]`` actions -> ``[*S, *B]``: sum over dims of the log-prob of each action's bin."""
-        idx = self.bins.to_bins(value)
+        idx = self.bins.to_action_bins(value)
         logp = self.bin_logp.expand(*idx.shape, self.bin_logp.shape[-1])
         return logp.gather(-1, idx.unsqueeze(-1)).squeeze(-1).sum(-1)
 
     def entropy(self) -> torch.Tensor:
         """``[*B]``: the sum over dims of each categorical's entropy over the bins."""
-        return -(self.bin_logp.exp() * self.bin_logp).sum(-1).sum(-1)
+        return _entropy(self.bin_logp)
 
     @property
     def mode(self) -> torch.Tensor:
         """``[*B, D]``: the centres of the most likely bins."""
         return self.bins.to_actions(self.bin_logp.argmax(-1))
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """``[*B, D, n_bins]`` log-probabilities -> ``[*B]``: the summed entropies; a bin of probability 0
+    (-inf, a folded bin) adds 0, in the value and in the gradient."""
+    safe = logp.masked_fill(logp == float("-inf"), 0.0)
+    return -(logp.exp() * safe).sum(-1).sum(-1)
 
 
 def _cache_arg(trunk: nn.Module) -> str:
@@ -205,7 +268,7 @@ class AutoregressiveActionTokenDistribution(Distribution):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``[*B, D]`` actions -> ``[*B]``: sum over dims of log p(bin_d | prompt, bins before d)."""
-        bins = self._policy.bins.to_bins(value.reshape(-1, self._policy.action_dim))
+        bins = self._policy.bins.to_action_bins(value.reshape(-1, self._policy.action_dim))
         if self._path is None or not torch.equal(bins, self._path[0]):
             self._path = (bins, self._policy._teacher_force(self._prompt, self._cache, self._first_logp, bins))
         logp = self._path[1].gather(-1, bins.unsqueeze(-1)).squeeze(-1).sum(-1)
@@ -220,8 +283,7 @@ class AutoregressiveActionTokenDistribution(Distribution):
         if self._path is None:
             raise RuntimeError("autoregressive entropy is taken along an action: call sample() or "
                                "log_prob(action) first")
-        logp = self._path[1]
-        return -(logp.exp() * logp).sum(-1).sum(-1).reshape(self.batch_shape)
+        return _entropy(self._path[1]).reshape(self.batch_shape)
 
 
 class ActionTokenPolicy(nn.Module):
@@ -251,8 +313,10 @@ class ActionTokenPolicy(nn.Module):
             entropy (and the learner's ratios and KL) all use the same tempered distribution; the
             argmax, and so deterministic evaluation, is unchanged. Below 1 the acting policy is closer
             to the greedy one that is evaluated; above 1 it explores more (SimpleVLA-RL samples
-            rollouts hot). On Reach GRPO, 0.5 did not close the gap between sampled and greedy
-            success: 64% greedy at 400k against 75% at 1 (README, Reach token table).
+            rollouts hot).
+        binning: how bins map to action values, ``"centres"`` (default) or ``"openvla"``
+            (:class:`ActionBins`): use the convention the checkpoint was pretrained with. ``proprio``
+            is tokenised with the same one.
     Raises:
         ValueError: every inconsistent setting at once (unknown decoding, a block outside the
             vocabulary, a special token inside the block, ...), each with the fix.
@@ -269,8 +333,10 @@ class ActionTokenPolicy(nn.Module):
                  image_size: int | None = None, bos_token_id: int | None = None,
                  sep_token_id: int = GEMMA_NEWLINE_ID, placeholder_token_id: int | None = None,
                  instruction_pad_id: int | None = 0, proprio_bounds: Sequence[float] | None = (-1.0, 1.0),
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, binning: str = "centres"):
         super().__init__()
+        # Every keyword but the model, as given: what save_pretrained writes to tandem_adapter.json.
+        self._adapter_kwargs = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
         self.model = model
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear):
@@ -320,16 +386,20 @@ class ActionTokenPolicy(nn.Module):
                 errors.append(f"{name}={tok} is outside the vocabulary of {vocab}")
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 < temperature < float("inf")):
             errors.append(f"temperature={temperature!r} must be a finite number > 0 (1: the model's own logits)")
+        if binning not in BINNINGS:
+            errors.append(f"binning={binning!r} is not one of {BINNINGS}")
+        elif binning == "openvla" and n_bins < 3:
+            errors.append(f"n_bins={n_bins}: binning 'openvla' needs at least 3 (OpenVLA uses 256)")
         if proprio_bounds is not None and len(proprio_bounds) != 2:
             errors.append(f"proprio_bounds={proprio_bounds!r} must be (low, high) or None")
         if errors:
             raise ValueError("ActionTokenPolicy:\n  - " + "\n  - ".join(errors))
 
-        self.bins = ActionBins(low, high, n_bins)
+        self.bins = ActionBins(low, high, n_bins, binning)
         if self.bins.low.numel() not in (1, action_dim):
             raise ValueError(f"ActionTokenPolicy: low/high have {self.bins.low.numel()} values for "
                              f"action_dim={action_dim}: give one bound, or one per action dim")
-        self.proprio_bins = ActionBins(*proprio_bounds, n_bins) if proprio_bounds is not None else None
+        self.proprio_bins = ActionBins(*proprio_bounds, n_bins, binning) if proprio_bounds is not None else None
         self.register_buffer("image_mean", torch.tensor(image_mean, dtype=torch.float32).view(3, 1, 1),
                              persistent=False)
         self.register_buffer("image_std", torch.tensor(image_std, dtype=torch.float32).view(3, 1, 1),
@@ -427,7 +497,7 @@ class ActionTokenPolicy(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return logits.log_softmax(-1)
+        return self.bins.merge(logits.log_softmax(-1))
 
     def _value_from(self, h_sep: torch.Tensor, batch: torch.Size) -> torch.Tensor:
         return self.value_head(h_sep.to(self.value_head.weight.dtype)).squeeze(-1).float().reshape(batch)
@@ -512,6 +582,60 @@ class ActionTokenPolicy(nn.Module):
         """``[*B, D]``: the argmax bins' centres (greedy decoding in autoregressive mode)."""
         return dist.mode
 
+    # ------------------------------------------------------------------ checkpoints
+    # Built from a checkpoint directory (vla_config.model_path), never from model_config alone.
+    needs_checkpoint = True
+
+    @classmethod
+    def from_pretrained(cls, path, local_files_only: bool = True, **model_config) -> ActionTokenPolicy:
+        """The policy from a checkpoint directory: transformers' ``save_pretrained`` output is enough
+        (see ``shared/policies/token_checkpoints.py``: strict loading, optional Tandem files, a fresh
+        value head where none is saved). `model_config` holds this class's keywords (``action_dim``,
+        ``low``, ``high``, ``n_bins``, ``binning``, ...) and ``backbone_class`` / ``backbone_kwargs``.
+
+        Raises:
+            ValueError: ``local_files_only`` false (checkpoints are never fetched from a hub).
+            VLALoadError: see ``load_token_policy``.
+        """
+        from shared.policies.token_checkpoints import load_token_policy
+        if local_files_only is not True:
+            raise ValueError(f"{cls.__name__}.from_pretrained: local_files_only must be True")
+        return load_token_policy(cls, path, model_config)
+
+    def save_pretrained(self, path) -> None:
+        """A checkpoint directory ``from_pretrained`` reads back exactly: the backbone's own
+        ``save_pretrained`` plus ``tandem_adapter.json`` (keywords) and ``tandem_adapter.safetensors``
+        (the value head)."""
+        from shared.policies.token_checkpoints import save_token_policy
+        save_token_policy(self, path)
+
+    def adaptations(self, spec=None) -> list[str]:
+        """What this adapter does to the env's inputs and the model's outputs, one line each, for the
+        start-up log: the action-token block, image resizing, proprio and instruction handling."""
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        lo, hi = self.bins.low.tolist(), self.bins.high.tolist()
+        lines = [f"action tokens: {self.action_dim} per action, {self.n_bins} bins each over [{lo}, {hi}] "
+                 f"({self.bins.binning} binning) = token ids [{self.token_offset}, {self.token_offset + self.n_bins}) "
+                 f"of a vocabulary of {vocab}; decoding {self.decoding}"]
+        obs_keys = getattr(spec, "obs_keys", {}) or {}
+        if self.image_token_id is not None:
+            shape = obs_keys.get("rgb", ((), None))[0]
+            size = f"{shape[0]}x{shape[1]}" if len(shape) == 3 else "?"
+            resized = len(shape) == 3 and tuple(shape[:2]) != (self.image_size, self.image_size)
+            lines.append(f"rgb {size} uint8 -> " + (f"resized to {self.image_size}x{self.image_size} (bilinear, "
+                         "antialiased) -> " if resized else "") + "normalised with mean "
+                         f"{self.image_mean.flatten().tolist()} std {self.image_std.flatten().tolist()} -> "
+                         f"{self.n_image_tokens} image tokens")
+        if "proprio" in obs_keys:
+            lines.append("proprio is ignored (proprio_bounds None)" if self.proprio_bins is None else
+                         f"proprio {list(obs_keys['proprio'][0])} is tokenised into the action-token block over "
+                         f"[{self.proprio_bins.low.tolist()}, {self.proprio_bins.high.tolist()}]")
+        if "instruction" in obs_keys:
+            lines.append(f"instruction ids {list(obs_keys['instruction'][0])} are model token ids"
+                         + (f"; id {self.instruction_pad_id} is padding, masked out of attention"
+                            if self.instruction_pad_id is not None else ""))
+        return lines
+
 
 # ---------------------------------------------------------------------- PaliGemma backbones
 _PRESETS = {
@@ -574,59 +698,8 @@ class PaliGemmaActionTokenPolicy(ActionTokenPolicy):
 
         super().__init__(PaliGemmaForConditionalGeneration(paligemma_config(size, **(backbone or {}))), action_dim,
                          **kwargs)
-        self._adapter_kwargs = {"action_dim": action_dim, **kwargs}
+        self._adapter_kwargs = {"action_dim": action_dim, **kwargs}   # what was given, as the preset's files say
 
-    ADAPTER_WEIGHTS, ADAPTER_CONFIG = "tandem_adapter.safetensors", "tandem_adapter.json"
-
-    def save_pretrained(self, path) -> None:
-        """A local Hugging Face checkpoint: the backbone's ``save_pretrained(path)`` (config.json,
-        model.safetensors) plus the adapter's own tensors (the value head) in ``tandem_adapter.safetensors``
-        and its constructor keywords in ``tandem_adapter.json``."""
-        import json
-        from pathlib import Path
-
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        self.model.save_pretrained(str(path))
-        own = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("model.")}
-        save_file(own, str(path / self.ADAPTER_WEIGHTS))
-        (path / self.ADAPTER_CONFIG).write_text(json.dumps(self._adapter_kwargs, indent=2) + "\n")
-
-    @classmethod
-    def from_pretrained(cls, path, local_files_only: bool = True, **overrides) -> PaliGemmaActionTokenPolicy:
-        """Load what ``save_pretrained`` wrote: the backbone with
-        ``PaliGemmaForConditionalGeneration.from_pretrained(path, local_files_only=True)``, the adapter built
-        from ``tandem_adapter.json`` updated with ``overrides`` (``vla_config.model_config``; ``size`` and
-        ``backbone`` are ignored: the checkpoint's config decides), then its tensors.
-
-        Raises:
-            ValueError: ``local_files_only`` false (checkpoints are never fetched from a hub).
-            FileNotFoundError: no ``tandem_adapter.json`` in ``path``.
-            RuntimeError: adapter tensors that do not match the adapter.
-        """
-        import json
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-        from transformers import PaliGemmaForConditionalGeneration
-
-        if local_files_only is not True:
-            raise ValueError("PaliGemmaActionTokenPolicy.from_pretrained: local_files_only must be True")
-        path = Path(path)
-        kwargs = json.loads((path / cls.ADAPTER_CONFIG).read_text())
-        overrides = {k: v for k, v in overrides.items() if k not in ("size", "backbone")}
-        kwargs.update(overrides)
-        backbone = PaliGemmaForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
-        self = cls.__new__(cls)
-        action_dim = kwargs.pop("action_dim", 2)
-        ActionTokenPolicy.__init__(self, backbone, action_dim, **kwargs)
-        self._adapter_kwargs = {"action_dim": action_dim, **kwargs}
-        weights = path / cls.ADAPTER_WEIGHTS
-        saved = load_file(str(weights)) if weights.is_file() else {}
-        own = {k for k in self.state_dict() if not k.startswith("model.")}
-        if own - saved.keys():
-            raise RuntimeError(f"PaliGemmaActionTokenPolicy.from_pretrained({str(path)!r}): {weights.name} lacks "
-                               f"{sorted(own - saved.keys())}")
-        self.load_state_dict({k: v for k, v in saved.items() if k in own}, strict=False)
-        return self
+    # model_config keys that only say how to build a fresh backbone: a checkpoint's config.json decides.
+    IGNORED_ON_LOAD = ("size", "backbone")
+    needs_checkpoint = False

@@ -263,11 +263,15 @@ def load_pretrained(model_path: str, model_class: str, model_config: dict[str, A
     try:
         with _no_transformers_progress_bars():
             out = cls.from_pretrained(model_path, **kwargs, **({"output_loading_info": True} if with_info else {}))
+    except VLALoadError as e:    # an adapter's own loader (shared/policies/token_checkpoints.py): already precise
+        if "vla_config.model_path" in str(e):
+            raise
+        raise VLALoadError(f"vla_config.model_path {model_path!r} (model_class {model_class}): {e}") from None
     except Exception as e:
         raise VLALoadError(f"vla_config.model_path {model_path!r}: {model_class}.from_pretrained failed: "
                            f"{type(e).__name__}: {e}") from None
     model, info = out if with_info and isinstance(out, tuple) and len(out) == 2 else (out, {})
-    problems = [f"{what} {sorted(info[key])}" for key, what in (("missing_keys", "missing"),
+    problems = [f"{what} {_in_files(model_path, info[key], key)}" for key, what in (("missing_keys", "missing"),
                 ("unexpected_keys", "unexpected"), ("mismatched_keys", "shape mismatch")) if info.get(key)]
     if problems:  # transformers only warns: a half-initialised pretrained policy is a wrong checkpoint
         raise VLALoadError(f"vla_config.model_path {model_path!r} does not match {model_class}: " + ", ".join(problems))
@@ -275,6 +279,46 @@ def load_pretrained(model_path: str, model_class: str, model_config: dict[str, A
         raise VLALoadError(f"vla_config.model_class {model_class!r}: from_pretrained returned "
                            f"{type(model).__name__}, not an nn.Module")
     return model
+
+
+def _in_files(model_path: str, names, key: str) -> str:
+    """`names` from transformers' loading info, each with the weights file that holds it where the
+    checkpoint's index says (a missing tensor is in none)."""
+    names = sorted(names, key=str)
+    if key == "missing_keys":
+        return f"{names} (in no weights file)"
+    index = Path(model_path) / HF_WEIGHTS[0][1]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        weight_map = {}
+    single = next((s for s, _ in HF_WEIGHTS if (Path(model_path) / s).is_file()), None)
+
+    def saved_as(name: str) -> str | None:
+        """The index's name for `name`: itself, or (transformers renames prefixes on load) the one
+        sharing the longest dotted suffix with it, where that one is unique."""
+        if name in weight_map or not weight_map:
+            return name if name in weight_map else None
+        parts = name.split(".")
+
+        def common(k: str) -> int:
+            n, other = 0, k.split(".")
+            while n < min(len(parts), len(other)) and parts[-1 - n] == other[-1 - n]:
+                n += 1
+            return n
+        scores = {k: common(k) for k in weight_map}
+        best = max(scores.values())
+        found = [k for k, s in scores.items() if s == best]
+        return found[0] if best and len(found) == 1 else None
+
+    def where(name) -> str:
+        text = str(list(name)) if isinstance(name, tuple) else repr(name)   # mismatched: (name, file, model shapes)
+        key_ = name[0] if isinstance(name, tuple) else name
+        saved = saved_as(key_)
+        file = weight_map.get(saved) if saved else single
+        return (f"{text}" + (f" (saved as {saved!r})" if saved and saved != key_ else "")
+                + (f" in {file}" if file else ""))
+    return "[" + ", ".join(where(n) for n in names) + "]"
 
 
 def model_interface(model: nn.Module, model_class: str = "") -> str:
@@ -294,6 +338,13 @@ def model_interface(model: nn.Module, model_class: str = "") -> str:
     if has("action_dist"):
         return DIST
     absent = [m for m in SEED_METHODS if m not in seed]
+    head = getattr(model, "get_output_embeddings", None)
+    if callable(head) and isinstance(head(), nn.Linear):   # a language model with an LM head: action tokens
+        raise VLALoadError(
+            f"vla_config.model_class {model_class or type(model).__name__!r}: a {type(model).__name__} needs an "
+            f"adapter that turns it into a policy: set model_class to "
+            f"'shared.policies.action_tokens.ActionTokenPolicy', keep model_path, and give the action space in "
+            f"model_config (action_dim, low, high, n_bins, binning; see docs/guides/finetune_your_own_vla.md)")
     seed_text = (f"has {', '.join(seed)} but no {', '.join(absent)}" if seed
                  else f"has none of {', '.join(SEED_METHODS)}")
     raise VLALoadError(
@@ -318,6 +369,9 @@ def load_vla_model(model_path: str, model_class: str, model_config: dict[str, An
             naming a missing shard, or a model implementing neither interface (naming the missing method).
     """
     cls = _import_class(model_class)
+    if not model_path and getattr(cls, "needs_checkpoint", False):
+        raise VLALoadError(f"vla_config.model_path: {model_class} is built from a checkpoint directory (a "
+                           f"transformers save_pretrained output); none is given")
     if model_path and callable(getattr(cls, "from_pretrained", None)):
         model = load_pretrained(model_path, model_class, model_config)
     else:
@@ -402,8 +456,12 @@ class VLAPolicy(nn.Module):
         self.interface = model_interface(model, cfg.model_class)
         self.model = model
         self.autocast = cfg.autocast
-        if cfg.dtype == "bfloat16":
-            self.model.to(torch.bfloat16)
+        want = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        have = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+        if have and have != [cfg.dtype]:   # vla_config.dtype decides, whatever the checkpoint was saved in
+            log.info("vla_config.dtype %s: the weights of %s (%s) are cast to %s", cfg.dtype,
+                     cfg.model_class or type(model).__name__, ", ".join(have), cfg.dtype)
+            self.model.to(want)
         frozen = 0
         for name, p in self.model.named_parameters():
             if any(name.startswith(prefix) for prefix in cfg.freeze):

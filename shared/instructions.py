@@ -1,0 +1,187 @@
+"""Instructions as text, tokenized with the checkpoint's own tokenizer, once per instruction, in the actor.
+
+An env that can say its instructions in words (``tandem/Reach-v0`` with ``env.cfg.instructions:
+"text"``, a ManiSkill task with ``env.cfg.instruction: "pick up the cube"``) takes an
+:class:`InstructionTokenizer` when it is built. It tokenizes each distinct instruction once (cached),
+pads the ids to the env's fixed ``instruction_length`` with the tokenizer's padding id, and puts the
+ids in the observation. Token ids, not text, travel on the wire, so the learner never needs the
+tokenizer; only the processes that step envs (actors, the evaluator) load it.
+
+The tokenizer is ``tokenizer.json`` (the format of Hugging Face's ``tokenizers``, which every fast
+transformers tokenizer saves), found at ``vla_config.tokenizer`` or else in ``vla_config.model_path``.
+Special tokens (bos, eos) are not added: the policy builds its own prompt around the instruction.
+
+:func:`check_instruction_vocabulary` refuses an env and a model that do not share a vocabulary: an
+env that gives ids of its own (Reach's 8-id vocabulary) to a model that has a tokenizer, or a
+tokenizer with more ids than the model's embedding table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from shared.config import Config
+    from shared.envs.base import EnvSpec
+
+log = logging.getLogger("tandem.instructions")
+
+TOKENIZER_FILE = "tokenizer.json"
+# spec.extra["instructions"]: "text" (ids of the model's tokenizer) or the name of the env's own vocabulary
+TEXT = "text"
+
+
+class InstructionError(ValueError):
+    """A tokenizer that cannot be used, an instruction too long for the env, or mismatched vocabularies."""
+
+
+class InstructionTokenizer:
+    """Text -> token ids with a Hugging Face ``tokenizer.json``; each text is encoded once.
+
+    Args:
+        path: a ``tokenizer.json`` file, or a directory holding one.
+    Raises:
+        InstructionError: no such file, or one ``tokenizers`` cannot read.
+    """
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise InstructionError(f"{path}: no {TOKENIZER_FILE} (save the checkpoint's tokenizer with "
+                                   f"tokenizer.save_pretrained(dir), or set vla_config.tokenizer)")
+        try:
+            from tokenizers import Tokenizer
+            self._tok = Tokenizer.from_file(str(file))
+        except ImportError:
+            raise InstructionError("text instructions need the tokenizers package: pip install -e '.[vla]'") from None
+        except Exception as e:
+            raise InstructionError(f"{file}: not a tokenizer the tokenizers package reads: {e}") from None
+        self.source = str(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.pad_id = self._find_pad_id(file)
+        self._cache: dict[str, list[int]] = {}
+
+    def _find_pad_id(self, file: Path) -> int | None:
+        padding = self._tok.padding
+        if padding and padding.get("pad_id") is not None:
+            return int(padding["pad_id"])
+        config = file.parent / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                pad = json.loads(config.read_text()).get("pad_token")
+            except (OSError, ValueError, AttributeError):
+                pad = None
+            pad = pad.get("content") if isinstance(pad, dict) else pad
+            if isinstance(pad, str) and self._tok.token_to_id(pad) is not None:
+                return int(self._tok.token_to_id(pad))
+        pad = self._tok.token_to_id("<pad>")
+        return None if pad is None else int(pad)
+
+    def ids(self, text: str) -> list[int]:
+        """The ids of `text`, without special tokens (cached: each text is encoded once)."""
+        if text not in self._cache:
+            self._cache[text] = list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._cache[text]
+
+    def table(self, texts: list[str], length: int, where: str) -> torch.Tensor:
+        """``[len(texts), length]`` int64: each text's ids, padded with the padding id.
+
+        Raises:
+            InstructionError: a text with more than `length` tokens (named, with `where`), or padding
+                needed and the tokenizer has no padding id.
+        """
+        rows = []
+        for text in texts:
+            ids = self.ids(text)
+            if len(ids) > length:
+                raise InstructionError(f"{where}: {text!r} is {len(ids)} tokens with {self.source}, more than the "
+                                       f"instruction length {length}: raise it")
+            if len(ids) < length and self.pad_id is None:
+                raise InstructionError(f"{self.source} has no padding token to pad {text!r} to {length} ids")
+            rows.append(ids + [self.pad_id] * (length - len(ids)))
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(texts), length)
+
+
+class ShapeOnlyTokenizer:
+    """Stands in for the tokenizer where only the observation's shape matters (the learner's env spec):
+    every text is all padding."""
+
+    source, vocab_size, pad_id = "(shape only)", 0, 0
+
+    def table(self, texts: list[str], length: int, where: str) -> torch.Tensor:
+        return torch.zeros(len(texts), length, dtype=torch.int64)
+
+
+def tokenizer_path(cfg: Config) -> Path | None:
+    """Where the instruction tokenizer is: ``vla_config.tokenizer``, else ``model_path`` when it holds a
+    ``tokenizer.json``; None without a VLA policy or a tokenizer."""
+    vla = cfg.policy.vla_config if cfg.policy.name == "vla" else None
+    if vla is None:
+        return None
+    if vla.tokenizer:
+        return Path(vla.tokenizer)
+    if vla.model_path and (Path(vla.model_path) / TOKENIZER_FILE).is_file():
+        return Path(vla.model_path)
+    return None
+
+
+def wants_text(cfg: Config) -> bool:
+    """Whether the env is configured to give its instructions as text."""
+    env = cfg.env.cfg
+    return env.get("instructions") == TEXT or isinstance(env.get("instruction"), str)
+
+
+def instruction_tokenizer(cfg: Config) -> InstructionTokenizer | None:
+    """The tokenizer an env process needs: None when the env gives no text.
+
+    Raises:
+        InstructionError: text instructions and no tokenizer anywhere (says where it was looked for).
+    """
+    if not wants_text(cfg):
+        return None
+    path = tokenizer_path(cfg)
+    if path is None:
+        model_path = cfg.policy.vla_config.model_path if cfg.policy.vla_config else ""
+        raise InstructionError(f"{cfg.source}: env.cfg asks for text instructions, which are tokenized with the "
+                               f"model's tokenizer, but there is none: no {TOKENIZER_FILE} in "
+                               f"vla_config.model_path {model_path!r}, and vla_config.tokenizer is not set")
+    return InstructionTokenizer(path)
+
+
+def check_instruction_vocabulary(cfg: Config, spec: EnvSpec, policy) -> None:
+    """Refuse an env and a model whose instruction vocabularies differ (see the module docstring).
+
+    Raises:
+        InstructionError: naming the env's vocabulary and the model's tokenizer or vocabulary.
+    """
+    if spec is None or "instruction" not in spec.obs_keys:
+        return
+    said = spec.extra.get("instructions")
+    path = tokenizer_path(cfg)
+    if said not in (None, TEXT) and path is not None:
+        raise InstructionError(
+            f"{cfg.source}: env {cfg.env.id} gives instruction ids of its own vocabulary ({said}), but the model "
+            f"reads ids of its tokenizer ({path}): the ids would mean other words. Set env.cfg.instructions to "
+            f"'text' so that the actors tokenize the instructions with the model's tokenizer")
+    model = getattr(policy, "model", None)
+    head = model.model.get_input_embeddings() if hasattr(getattr(model, "model", None), "get_input_embeddings") \
+        else None
+    if said == TEXT and path is not None and head is not None:
+        tok = InstructionTokenizer(path)
+        rows = head.weight.shape[0]
+        if tok.vocab_size > rows:
+            raise InstructionError(
+                f"{cfg.source}: the tokenizer {tok.source} has {tok.vocab_size} ids, the model "
+                f"({cfg.policy.vla_config.model_class} at {cfg.policy.vla_config.model_path!r}) embeds {rows}: they "
+                f"are not the same vocabulary (set vla_config.tokenizer to the model's own)")
+        pad = getattr(model, "instruction_pad_id", None)
+        if tok.pad_id is not None and pad is not None and tok.pad_id != pad:
+            raise InstructionError(
+                f"{cfg.source}: the tokenizer {tok.source} pads with id {tok.pad_id}, the model masks id {pad}: set "
+                f"vla_config.model_config.instruction_pad_id to {tok.pad_id}")
