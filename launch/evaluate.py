@@ -109,7 +109,7 @@ def run_evaluation(cfg: Config, checkpoint: Path | None, episodes: int, batch: i
     tokenizer = instruction_tokenizer(cfg)
     env = make_env(cfg.env.id, min(batch, episodes), cfg.env.cfg, device, tokenizer=tokenizer)
     try:
-        policy = make_policy(cfg, env.spec).to(device).eval()
+        policy = make_policy(cfg, env.spec, describe=True).to(device).eval()
         state = load_policy_checkpoint(policy, checkpoint) if checkpoint is not None else {}
         returns: list[float] = []
         successes: list[bool] = []
@@ -149,6 +149,8 @@ def run_evaluation(cfg: Config, checkpoint: Path | None, episodes: int, batch: i
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+    logging.basicConfig(level=logging.INFO, format="[evaluate] %(message)s")   # what the policy adapts, once
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", nargs="?", type=Path, help="a run directory (config.json, checkpoints/)")
     ap.add_argument("--config", type=Path, help="config file (default: RUN_DIR/config.json)")

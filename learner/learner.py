@@ -173,7 +173,7 @@ class Learner:
         self.k = cfg.rollouts_per_update // (ranks.world if ranks else 1)   # this rank's share
         torch.manual_seed(t.seed)
         self.spec = env_spec_of(cfg)
-        self.policy = make_policy(cfg, self.spec).to(self.device)
+        self.policy = make_policy(cfg, self.spec, describe=True).to(self.device)
         # What never travels (a frozen pretrained base): actors must hold the same, or be refused.
         self.base_digest = frozen_digest(self.policy)
         self.optimizer = make_optimizer(self.policy, self.algo.learning_rate, self.algo.adam_eps)

@@ -351,7 +351,8 @@ def test_transformers_path_must_exist_here_and_local_files_only_stays_on(tmp_pat
     assert calls == []                      # refused before from_pretrained was called
     with pytest.raises(VLALoadError, match="from_pretrained returned NoneType"):
         load_pretrained(str(llama_dirs[1]), LLAMA, {"dtype": "float32"})
-    assert calls == [{"dtype": "float32", "local_files_only": True, "output_loading_info": True}]
+    assert calls == [{"dtype": "float32", "local_files_only": True, "output_loading_info": True,
+                      "ignore_mismatched_sizes": True}]   # mismatches reported by name, then refused by us
 
 
 @needs_hf

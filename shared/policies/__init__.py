@@ -15,26 +15,27 @@ from shared.policies.actor_critic import ActorCritic
 torch.distributions.Distribution.set_default_validate_args(False)
 
 
-def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
+def make_policy(cfg: Config, spec: EnvSpec, describe: bool = False) -> nn.Module:
     """The configured policy, initialised from ``trainer.seed`` alone: the learner, every actor and
     the evaluator build bit-identical policies (a frozen, randomly initialised part never travels
-    in weights messages, so it must agree everywhere). The caller's RNG state is left as it was."""
+    in weights messages, so it must agree everywhere). The caller's RNG state is left as it was.
+    `describe`: log what a VLA adapter does to the env's inputs (one process of a run says it)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.trainer.seed)
-        return _build_policy(cfg, spec)
+        return _build_policy(cfg, spec, describe)
 
 
-def _build_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
+def _build_policy(cfg: Config, spec: EnvSpec, describe: bool = False) -> nn.Module:
     if cfg.policy.name == "actor_critic":
         return ActorCritic(spec, cfg.policy)
     if cfg.policy.name == "actor_only":
         return ActorCritic(spec, cfg.policy, with_critic=False)
     if cfg.policy.name == "vla":
-        return _build_vla(cfg, spec)
+        return _build_vla(cfg, spec, describe)
     raise ValueError(f"{cfg.source}: policy.name {cfg.policy.name!r} is not available")
 
 
-def _build_vla(cfg: Config, spec: EnvSpec) -> nn.Module:
+def _build_vla(cfg: Config, spec: EnvSpec, describe: bool) -> nn.Module:
     """A VLA policy, checked against the env (action size, instruction vocabulary), with what it adapts
     logged once."""
     import logging
@@ -49,6 +50,8 @@ def _build_vla(cfg: Config, spec: EnvSpec) -> nn.Module:
                            f"{v.model_path!r}), env {cfg.env.id} takes {spec.action.dim}-dimensional actions")
     policy = VLAPolicy(model, v)
     check_instruction_vocabulary(cfg, spec, policy)
+    if not describe:
+        return policy
     log = logging.getLogger("tandem.vla")
     source = getattr(model, "source", None)
     if source:

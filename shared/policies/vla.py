@@ -262,7 +262,9 @@ def load_pretrained(model_path: str, model_class: str, model_config: dict[str, A
         with_info = False
     try:
         with _no_transformers_progress_bars():
-            out = cls.from_pretrained(model_path, **kwargs, **({"output_loading_info": True} if with_info else {}))
+            # with the loading info, transformers reports shape mismatches by name instead of raising without one
+            extra = {"output_loading_info": True, "ignore_mismatched_sizes": True} if with_info else {}
+            out = cls.from_pretrained(model_path, **{**extra, **kwargs})
     except VLALoadError as e:    # an adapter's own loader (shared/policies/token_checkpoints.py): already precise
         if "vla_config.model_path" in str(e):
             raise
@@ -312,7 +314,9 @@ def _in_files(model_path: str, names, key: str) -> str:
         return found[0] if best and len(found) == 1 else None
 
     def where(name) -> str:
-        text = str(list(name)) if isinstance(name, tuple) else repr(name)   # mismatched: (name, file, model shapes)
+        text = repr(name)
+        if isinstance(name, tuple):   # mismatched: (name, file shape, model shape)
+            text = f"{name[0]!r}: file {tuple(name[1])}, model {tuple(name[2])}" if len(name) == 3 else repr(name)
         key_ = name[0] if isinstance(name, tuple) else name
         saved = saved_as(key_)
         file = weight_map.get(saved) if saved else single
