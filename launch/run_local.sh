@@ -42,7 +42,11 @@ done
 # ---------------------------------------------------------------- python environment
 # shellcheck source=launch/_env.sh
 source "$ROOT/launch/_env.sh"
-tandem_python "$ROOT" || exit 1
+if grep -q '"vla_config"' "$CONFIG"; then   # a pretrained VLA: transformers, peft and tokenizers (the vla extra)
+  tandem_python "$ROOT" "vla" transformers peft tokenizers || exit 1
+else
+  tandem_python "$ROOT" || exit 1
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONUNBUFFERED=1

@@ -102,6 +102,28 @@ def test_rgb_observations_with_an_instruction():
         env.close()
 
 
+def test_a_text_instruction_is_the_model_tokenizers_ids(tmp_path):
+    from foreign_vla import make_tokenizer
+    from shared.envs import env_spec, make_env
+    from shared.instructions import InstructionTokenizer
+    make_tokenizer().save_pretrained(str(tmp_path))
+    hf = make_tokenizer()
+    cfg = {**CFG, "obs_mode": "rgb", "image_size": 32, "instruction": "pick up the cube", "instruction_length": 6,
+           "state_key": "proprio"}
+    env = make_env("maniskill/PickCube-v1", 2, cfg, tokenizer=InstructionTokenizer(tmp_path))
+    try:
+        ids = hf("pick up the cube", add_special_tokens=False).input_ids
+        assert env.reset(seed=0)["instruction"].tolist() == [ids + [hf.pad_token_id] * (6 - len(ids))] * 2
+        assert env.spec.extra["instructions"] == "text"
+    finally:
+        env.close()
+    assert env_spec("maniskill/PickCube-v1", cfg).obs_keys["instruction"] == ((6,), torch.int64)   # no tokenizer
+    with pytest.raises(ValueError, match="text env.cfg.instruction needs the model's tokenizer"):
+        make_env("maniskill/PickCube-v1", 1, cfg)
+    with pytest.raises(ValueError, match="instruction_length applies to a text instruction only"):
+        make_env("maniskill/PickCube-v1", 1, {**cfg, "instruction": [5, 6]})
+
+
 @pytest.mark.parametrize("cfg, match", [({"obs_modes": "state"}, "unknown env.cfg key"),
                                         ({"obs_mode": "pointcloud"}, "obs_mode"),
                                         ({"sim_backend": "warp"}, "sim_backend"),
