@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from actors.rollout import rollout_template, sends_bootstrap_obs
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
 from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_, save_checkpoint
@@ -51,6 +50,7 @@ from shared.config import Config
 from shared.console import say
 from shared.envs import EnvSpec, env_spec
 from shared.metrics import clean_metrics, mean_metrics
+from shared.rollout import rollout_template, sends_bootstrap_obs
 from shared.policies import (frozen_digest, has_critic, make_policy, published_state,
                              weights_digest, weights_td)
 from shared.policies.normalization import RewardScaler

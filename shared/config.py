@@ -67,6 +67,7 @@ class VideoConfig:
     episodes: Annotated[int, Range(ge=1)] = 1
     """Episodes recorded per chosen evaluation (at most trainer.num_eval_episodes)."""
     fps: Annotated[int, Range(ge=1, le=240)] = 30
+    """Frames per second of the videos."""
     max_frames: Annotated[int, Range(ge=1)] = 300
     """Frames kept per episode: the first ones (a 1000-step episode need not be 1000 renders)."""
     frame_every: Annotated[int, Range(ge=1)] = 1
@@ -86,7 +87,10 @@ class VideoConfig:
 @dataclass
 class TrainerConfig:
     exp_name: str = "tandem"
+    """The run's name: a run goes to ``<output_dir>/<exp_name>/<date-time>/`` unless ``--out`` says otherwise."""
     seed: Annotated[int, Range(ge=0, le=2**32 - 1)] = 1
+    """Seeds the policy's initialisation (the same in every process), each actor's env and sampling streams
+    (derived from it and the actor id) and the evaluations' episodes."""
     total_steps: Annotated[int, Range(ge=1)] = 200_000
     """Env steps to collect (all actors together) before the run ends."""
     buffer_size: Annotated[int, Range(ge=1)] = 128
@@ -116,6 +120,7 @@ class TrainerConfig:
     save_freq: Annotated[int, Range(ge=0)] = 50_000
     """Checkpoint every this many env steps (and always at the end); 0 saves only at the end."""
     num_eval_episodes: Annotated[int, Range(ge=1)] = 10
+    """Episodes per evaluation, played side by side in one batched env."""
     eval_device: str = "cpu"
     """Where the evaluator's envs and policy run: ``"cpu"`` (default; it then takes no GPU memory
     from training), or ``"cuda:N"`` for a simulator that lives on a GPU (``tandem/MJWarpHalfCheetah-v0``,
@@ -134,6 +139,7 @@ class TrainerConfig:
     and report the held-out figure, not the score it was chosen on (that one is biased upwards).
     After ``--resume`` the kept best stays the bar to beat."""
     output_dir: str = "outputs"
+    """The folder that holds run directories (relative to the working directory)."""
     use_wandb: bool = False
     """Mirror TensorBoard scalars to Weights & Biases (needs the wandb package)."""
     log_interval_s: Annotated[float, Range(gt=0)] = 5.0
@@ -158,6 +164,7 @@ def weights_at(cfg: "Config") -> str:
 @dataclass
 class ActorsConfig:
     num_actors: Annotated[int, Range(ge=1)] = 2
+    """Actor processes (``launch/run_local.sh --actors`` overrides it)."""
     num_envs: Annotated[int, Range(ge=1)] = 8
     """Envs per actor process, stepped in-process as one batched env."""
     devices: list[str] = field(default_factory=lambda: ["cpu"])
@@ -188,6 +195,7 @@ class ActorsConfig:
     actors); sync_every K gives a sawtooth instead (one version held for K rollouts). Every version
     in between is kept in the actor's memory: fine for an MLP, not for a large model."""
     torch_threads: Annotated[int, Range(ge=1)] = 1
+    """Intra-op threads of each actor process (``torch.set_num_threads``)."""
     nice: Annotated[int, Range(ge=0, le=19)] = 0
     """Scheduling niceness of the actor processes (os.nice). Where actors and the learner share
     too few cores and the learner is the bottleneck (vla mode, a learner on the CPU), a few points
@@ -217,11 +225,13 @@ class ActorsConfig:
 @dataclass
 class LearnerConfig:
     device: str = "cpu"
+    """Where the learner's policy and update run: ``cpu`` or ``cuda:N``."""
     host: str = "127.0.0.1"
     """Address the learner binds; 127.0.0.1 keeps a single-host run off the network."""
     rollout_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """TCP port for rollouts (0: pick a free one; endpoints.json tells actors)."""
     weights_port: Annotated[int, Range(ge=0, le=65535)] = 0
+    """TCP port for published weights (0: pick a free one; endpoints.json tells actors)."""
     torch_threads: Union[Annotated[int, Range(ge=1)], Literal["auto", "idle"]] = 1
     """Intra-op threads for the update. auto: the cores this process may use, less those busy
     collecting while it trains: all of them in standard mode (the actors wait for every update),
@@ -287,13 +297,17 @@ class EnvConfig:
 @dataclass
 class NetworkConfig:
     hidden_sizes: list[Annotated[int, Range(ge=1)]] = field(default_factory=lambda: [64, 64])
+    """Width of each hidden layer, input side first."""
     activation: Literal["tanh", "relu", "elu", "gelu"] = "tanh"
+    """Activation after each hidden layer."""
 
 
 @dataclass
 class NetConfig:
     type: Literal["mlp"] = "mlp"
+    """Network type (only mlp)."""
     network_cfg: NetworkConfig = field(default_factory=NetworkConfig)
+    """Layer widths and activation."""
 
 
 @dataclass
@@ -343,8 +357,12 @@ class VLAConfig:
 @dataclass
 class PolicyConfig:
     name: Literal["actor_critic", "actor_only", "vla"] = "actor_critic"
+    """actor_critic: MLP actor and critic (PPO). actor_only: no critic (GRPO). vla: a pretrained model
+    (``vla_config``)."""
     actor: NetConfig = field(default_factory=NetConfig)
+    """The actor (policy) network of actor_critic and actor_only."""
     critic: Optional[NetConfig] = field(default_factory=NetConfig)
+    """The critic network of actor_critic."""
     normalize_obs: bool = True
     """Running mean/std observation normalisation; its statistics are part of the policy state."""
     clip_obs: Annotated[float, Range(gt=0)] = 10.0
@@ -353,6 +371,8 @@ class PolicyConfig:
     """Initial log standard deviation of the Gaussian (Box action spaces); [-20, 2] keeps the std in
     [2e-9, 7.4]."""
     ortho_init: bool = True
+    """Orthogonal initialisation, as SB3 and CleanRL: gain sqrt(2) on hidden layers, 0.01 on the
+    policy head, 1 on the value head, zero biases. false: torch's default initialisation."""
     vla_config: Optional[VLAConfig] = None
     """Only for name "vla"."""
 
@@ -361,27 +381,37 @@ class PolicyConfig:
 class ClippedPGConfig:
     """The keys PPO and GRPO share: the clipped-ratio update and its optimiser."""
     learning_rate: Annotated[float, Range(gt=0)] = 3e-4
+    """Adam step size."""
     anneal_lr: bool = False
     """Linearly decay the learning rate to 0 over total_steps."""
     n_epochs: Annotated[int, Range(ge=1)] = 10
+    """Passes over each update's batch."""
     batch_size: Annotated[int, Range(ge=1)] = 256
     """Minibatch size, in samples."""
     gamma: Annotated[float, Range(ge=0, le=1)] = 0.99
+    """Discount factor."""
     clip_coef: Annotated[float, Range(gt=0)] = 0.2
+    """The probability ratio is clipped to [1 - clip_coef, 1 + clip_coef]."""
     ent_coef: Annotated[float, Range(ge=0)] = 0.0
+    """Weight of the entropy bonus."""
     max_grad_norm: Annotated[float, Range(ge=0)] = 0.5
     """Clip the global gradient norm to this; 0 disables clipping."""
     target_kl: Optional[Annotated[float, Range(gt=0)]] = None
     """Stop the epochs of an update early once approx-KL exceeds this."""
     adam_eps: Annotated[float, Range(gt=0)] = 1e-5
+    """Adam's epsilon."""
 
 
 @dataclass
 class PPOConfig(ClippedPGConfig):
     gae_lambda: Annotated[float, Range(ge=0, le=1)] = 0.95
+    """GAE's lambda: 0 is the one-step TD error, 1 the Monte Carlo return."""
     clip_vloss: bool = False
+    """Clip the value loss around the values the actors computed, with clip_coef (PPO2, CleanRL)."""
     vf_coef: Annotated[float, Range(ge=0)] = 0.5
+    """Weight of the value loss."""
     norm_adv: bool = True
+    """Normalise advantages to zero mean and unit std in each minibatch."""
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
     correction: Literal["none", "is", "vtrace", "appo", "ewma", "mask"] = "none"
@@ -521,6 +551,7 @@ ALGORITHM_CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 @dataclass
 class AlgorithmConfig:
     name: Literal["ppo", "grpo"] = "ppo"
+    """The algorithm; it chooses the schema of ``cfg``."""
     cfg: Union[PPOConfig, GRPOConfig] = field(default_factory=PPOConfig)
     """PPOConfig for "ppo", GRPOConfig for "grpo" (chosen by `name`)."""
 

@@ -131,10 +131,16 @@ def tokenizer_path(cfg: Config) -> Path | None:
     return None
 
 
+def text_instructions(env_kwargs: dict | None) -> bool:
+    """Whether these ``env.cfg`` values ask the env for text instructions (Reach's ``instructions:
+    "text"``, a ManiSkill ``instruction`` given as text)."""
+    env = env_kwargs or {}
+    return env.get("instructions") == TEXT or isinstance(env.get("instruction"), str)
+
+
 def wants_text(cfg: Config) -> bool:
     """Whether the env is configured to give its instructions as text."""
-    env = cfg.env.cfg
-    return env.get("instructions") == TEXT or isinstance(env.get("instruction"), str)
+    return text_instructions(cfg.env.cfg)
 
 
 def instruction_tokenizer(cfg: Config) -> InstructionTokenizer | None:
@@ -164,6 +170,8 @@ def check_instruction_vocabulary(cfg: Config, spec: EnvSpec, policy) -> None:
         return
     said = spec.extra.get("instructions")
     path = tokenizer_path(cfg)
+    if wants_text(cfg) and path is None:
+        instruction_tokenizer(cfg)   # raises, naming where it looked: before any actor starts
     if said not in (None, TEXT) and path is not None:
         raise InstructionError(
             f"{cfg.source}: env {cfg.env.id} gives instruction ids of its own vocabulary ({said}), but the model "

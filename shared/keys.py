@@ -18,7 +18,7 @@ TERMINATED = "terminated"       # the MDP ended: no bootstrap
 TRUNCATED = "truncated"         # cut by a time limit: bootstrap from NEXT_VALUE
 DONE = "done"                   # terminated | truncated: GAE recursion stops here
 POLICY_VERSION = "policy_version"  # int64, the weight version that chose ACTION
-BOOTSTRAP_OBS = "bootstrap_observation"  # vla-mode PPO only (actors.rollout.sends_bootstrap_obs):
+BOOTSTRAP_OBS = "bootstrap_observation"  # vla-mode PPO only (shared.rollout.sends_bootstrap_obs):
                                 # the true observation after step t where it is not OBS[t + 1]
                                 # (the final observation of a truncated step, and the observation
                                 # after the rollout's last step), zeros elsewhere. The learner

@@ -92,7 +92,7 @@ def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
     import shared.envs
     envs: list[MetricsEnv] = []
 
-    def fake_make_env(env_id, num_envs, env_kwargs=None, device="cpu", render=False):
+    def fake_make_env(env_id, num_envs, env_kwargs=None, device="cpu", render=False, tokenizer=None):
         envs.append(MetricsEnv(num_envs))
         return envs[-1]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from actors.rollout import rollout_template
+from shared.rollout import rollout_template
 from learner.learner import env_spec_of
 from shared import wire
 from shared.config import load_config

@@ -524,7 +524,7 @@ def test_resume_continues_version(tmp_path):
 def test_learner_refuses_bad_messages(tmp_path):
     import zmq
 
-    from actors.rollout import rollout_template
+    from shared.rollout import rollout_template
     from learner.learner import env_spec_of
     from shared import keys, wire
     from shared.config import load_config

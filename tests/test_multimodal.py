@@ -9,7 +9,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from actors.rollout import Collector, rollout_template
+from actors.rollout import Collector
+from shared.rollout import rollout_template
 from learner.buffer import CircularBuffer
 from shared import keys, wire
 from shared.envs.base import ActionSpec, EnvSpec, StepResult

@@ -184,14 +184,14 @@ def reference(model, obs, bins, mode, binning):
     proprio = torch.from_numpy(openvla_bins_by_hand(p_np) if binning == "openvla" else
                                np.round((np.clip(p_np, -1, 1) + 1) / 2 * 255).astype(np.int64) + OFFSET)
     suffix = torch.full_like(bins, PAD) if mode == "parallel" else bins[:, :-1] + OFFSET
-    ids = torch.cat([torch.full((n, N_IMG), IMAGE_TOKEN), torch.full((n, 1), BOS), instr, proprio,
-                     torch.full((n, 1), SEP), suffix], 1)
+    prefix = [torch.full((n, N_IMG), IMAGE_TOKEN), torch.full((n, 1), BOS), instr, proprio, torch.full((n, 1), SEP)]
+    ids = torch.cat(prefix + [suffix], 1)
     p = ids.shape[1] - suffix.shape[1]
-    mask = torch.ones_like(ids)
-    mask[:, N_IMG + 1:N_IMG + 1 + instr.shape[1]] = (instr != PAD).long()
-    types = torch.zeros_like(ids)
-    types[:, p:] = 1
-    pixels = (obs["rgb"].permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
+    # padding inside the instruction is masked; the prefix attends both ways (type 0), the suffix causally (1)
+    mask = torch.cat([torch.ones(n, N_IMG + 1, dtype=torch.long), (instr != PAD).long(),
+                      torch.ones(n, ids.shape[1] - N_IMG - 1 - instr.shape[1], dtype=torch.long)], 1)
+    types = (torch.arange(ids.shape[1]) >= p).long().expand(n, -1)
+    pixels = obs["rgb"].permute(0, 3, 1, 2).float().div(127.5).sub(1.0)              # (x / 255 - 0.5) / 0.5
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, pixel_values=pixels, token_type_ids=types).logits
     first = p if mode == "parallel" else p - 1
@@ -339,6 +339,8 @@ def test_the_actor_finds_the_tokenizer_in_the_checkpoint_and_says_when_there_is_
     with pytest.raises(InstructionError, match=r"text instructions.*no tokenizer\.json in vla_config\.model_path "
                                                r".*bare.*vla_config\.tokenizer is not set"):
         instruction_tokenizer(own_config(bare))
+    with pytest.raises(InstructionError, match=r"no tokenizer\.json"):     # the learner refuses it at start-up too
+        make_policy(own_config(bare), env_spec("tandem/Reach-v0", {"instructions": "text", "instruction_length": 8}))
     cfg = own_config(bare, f"policy.vla_config.tokenizer={foreign[0]}")
     assert instruction_tokenizer(cfg).vocab_size == len(SPECIAL) + len(WORDS)
 

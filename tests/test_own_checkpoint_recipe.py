@@ -22,7 +22,7 @@ from foreign_vla import make_tokenizer, save_foreign_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "guides" / "finetune_your_own_vla.md"
 # Appended to each command: the same run, shorter (argparse and --set take the last value given).
-SHORT = {"launch/run_local.sh": ["--steps", "1024", "--set", "trainer.eval_freq=512", "--set",
+SHORT = {"launch/run_local.sh": ["--steps", "512", "--set", "trainer.eval_freq=256", "--set",
                                  "trainer.num_eval_episodes=8", "--set", "actors.num_envs=8", "--set",
                                  "trainer.buffer_size=16"],
          "launch/evaluate.py": ["--episodes", "16", "--batch", "16"]}
@@ -53,7 +53,7 @@ def test_the_recipe_runs_on_a_save_pretrained_checkpoint(tmp_path):
             args[0] = sys.executable
         tool = next(k for k in SHORT if k in args[:2])
         extra = SHORT[tool] + (["--record"] if i == 0 else [])
-        if "vla_own_reach_grpo" in line:
+        if "vla_own_reach_grpo" in line:     # 8 envs x 16 steps x 2 actors: two groups of 4 per actor
             extra += ["--set", "algorithm.cfg.batch_size=128"]
         p = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                            start_new_session=True)
@@ -61,7 +61,7 @@ def test_the_recipe_runs_on_a_save_pretrained_checkpoint(tmp_path):
         if tool == "launch/run_local.sh":
             out = Path(args[args.index("--out") + 1])
             summary = json.loads((out / "summary.json").read_text())
-            assert summary["exit_code"] == 0 and summary["env_steps"] >= 1024 and summary["version"] >= 2
+            assert summary["exit_code"] == 0 and summary["env_steps"] >= 512 and summary["version"] >= 2
             assert summary["malformed"] == 0 and summary["failed_updates"] == 0
             assert "VLA: transformers.PaliGemmaForConditionalGeneration from" in p.stdout
             assert ("starts fresh at zero" in p.stdout + p.stderr) == ("ppo" in line)   # PPO's value head only

@@ -41,8 +41,10 @@ def env_spec(env_id: str, env_kwargs: dict | None = None) -> EnvSpec:
         spec = torch_env_spec(env_id[len(TORCH_NATIVE_PREFIX):], env_kwargs or {})
         if spec is not None:
             return spec
-    from shared.instructions import ShapeOnlyTokenizer
-    env = make_env(env_id, 1, env_kwargs, "cpu", tokenizer=ShapeOnlyTokenizer())   # shapes only: no tokenizer
+    from shared.instructions import ShapeOnlyTokenizer, text_instructions
+    # only the shapes matter here: text instructions need no tokenizer (the learner never loads one)
+    shapes_only = {"tokenizer": ShapeOnlyTokenizer()} if text_instructions(env_kwargs) else {}
+    env = make_env(env_id, 1, env_kwargs, "cpu", **shapes_only)
     try:
         return env.spec
     finally:
