@@ -16,7 +16,6 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 import zmq
 from tensordict import TensorDictBase
@@ -27,6 +26,7 @@ from shared import wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
+from shared.rollout import RolloutMeta, group_seeds
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
@@ -237,13 +237,10 @@ class Actor:
 
     # ------------------------------------------------------------------ main loop
     def _send(self, rollout: TensorDictBase, stats, index: int) -> bool:
-        frames = wire.encode(rollout, kind="rollout", actor=self.actor_id, seq=self.seq,
-                             policy_version=self.version, incarnation=self.incarnation, env_steps=rollout.numel(),
-                             base_digest=self.base_digest,
-                             episode_returns=stats.episode_returns, episode_lengths=stats.episode_lengths,
-                             episode_successes=stats.episode_successes, episode_metrics=stats.episode_metrics[-1000:],
-                             collect_s=stats.collect_s, collect_cpu_s=stats.collect_cpu_s, inference_s=stats.inference_s, env_s=stats.env_s,
-                             synced=self._synced, time=time.time())
+        meta = RolloutMeta.of(self.actor_id, self.seq, stats, policy_version=self.version,
+                              incarnation=self.incarnation, env_steps=rollout.numel(), base_digest=self.base_digest,
+                              synced=self._synced, time=time.time())
+        frames = wire.encode(rollout, **meta.to_meta())
         self._synced = []
         deadline = time.monotonic() + self.learner_timeout_s
         while not self.stop_event.is_set():
@@ -259,16 +256,7 @@ class Actor:
         return False
 
     def _group_seeds(self) -> list[int] | None:
-        """GRPO: one seed per env, shared within each group of `group_size` envs, new for every
-        group and rollout (with `reset_every_rollout`; otherwise only at the first rollout)."""
-        alg = self.cfg.algorithm
-        if alg.name != "grpo" or (self.seq > 0 and not alg.cfg.reset_every_rollout):
-            return None
-        gs = alg.cfg.group_size
-        groups = self.cfg.actors.num_envs // gs
-        seeds = [int(np.random.SeedSequence([self.cfg.trainer.seed, self.actor_id, self.seq, g]).generate_state(1)[0])
-                 for g in range(groups)]
-        return [seeds[i // gs] for i in range(groups * gs)]
+        return group_seeds(self.cfg, self.actor_id, self.seq)
 
     def _between_steps(self) -> bool:
         """Asked between env steps: True to abandon the rollout (stop signal or stop message).

@@ -285,6 +285,7 @@ def run_thread_variant(args, name: str = "thread") -> Result:
     from torch import nn
 
     from actors.rollout import Collector, sends_bootstrap_obs
+    from shared.rollout import RolloutMeta
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher, learner_threads
     from shared.config import load_config
@@ -340,9 +341,9 @@ def run_thread_variant(args, name: str = "thread") -> Result:
                     version = learner.version
                 times.setdefault("first_collect", time.perf_counter())
                 rollout, stats, _ = collector.collect(version)
-                learner.ingest(rollout.clone(), {"kind": "rollout", "actor": 0, "seq": seq,
-                                                 "episode_returns": stats.episode_returns,
-                                                 "episode_lengths": stats.episode_lengths})
+                meta = RolloutMeta(actor=0, seq=seq, episode_returns=stats.episode_returns,
+                                   episode_lengths=stats.episode_lengths)
+                learner.ingest(rollout.clone(), meta.to_meta())
                 times.setdefault("first_ingest", time.perf_counter())
                 seq += 1
         except Exception as e:  # noqa: BLE001 -- any failure is reported by the training thread

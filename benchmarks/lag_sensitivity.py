@@ -76,6 +76,7 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     import torch
 
     from actors.rollout import Collector, sends_bootstrap_obs
+    from shared.rollout import RolloutMeta
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher
     from shared.config import load_config
@@ -123,9 +124,9 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
                 _, policy, collector = collectors[i]
                 load_weights_(policy, weights[version])
                 rollout, stats, _ = collector.collect(version)
-                learner.ingest(rollout.clone(), {"kind": "rollout", "actor": i, "seq": seqs[i],
-                                                 "episode_returns": stats.episode_returns,
-                                                 "episode_lengths": stats.episode_lengths})
+                meta = RolloutMeta(actor=i, seq=seqs[i], episode_returns=stats.episode_returns,
+                                   episode_lengths=stats.episode_lengths)
+                learner.ingest(rollout.clone(), meta.to_meta())
                 seqs[i] += 1
             batch = learner.take_batch(timeout_s=0.0)
             if batch is None:

@@ -114,6 +114,7 @@ def worker_calibrate(config: str, sets: list[str], rollouts: int, updates: int) 
     import torch
 
     from actors.rollout import Collector, sends_bootstrap_obs
+    from shared.rollout import RolloutMeta
     from learner.learner import Learner, ListPublisher
     from shared import keys
     from shared.envs import make_env
@@ -143,8 +144,7 @@ def worker_calibrate(config: str, sets: list[str], rollouts: int, updates: int) 
     for i in range(updates + 1):                              # the first one warms up
         rollout[keys.POLICY_VERSION].fill_(learner.version)   # on-policy for the update it feeds
         for a in range(cfg.rollouts_per_update):
-            learner.ingest(rollout.clone(), {"kind": "rollout", "actor": a, "seq": i, "episode_returns": [],
-                                             "episode_lengths": []})
+            learner.ingest(rollout.clone(), RolloutMeta(actor=a, seq=i).to_meta())
         batch = learner.take_batch(timeout_s=1.0)
         if batch is None:
             raise RuntimeError("calibration: the learner did not take the rollouts")
@@ -162,6 +162,7 @@ def worker_plain(config: str, sets: list[str], seed: int) -> dict:
     import torch
 
     from actors.rollout import Collector
+    from shared.rollout import RolloutMeta
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher
     from shared.envs import make_env
@@ -185,9 +186,9 @@ def worker_plain(config: str, sets: list[str], seed: int) -> dict:
             c0 = time.process_time()
             rollout, stats, _ = collector.collect(learner.version)
             collect_cpu += time.process_time() - c0
-            learner.ingest(rollout.clone(), {"kind": "rollout", "actor": 0, "seq": seq,
-                                             "episode_returns": stats.episode_returns,
-                                             "episode_lengths": stats.episode_lengths})
+            meta = RolloutMeta(actor=0, seq=seq, episode_returns=stats.episode_returns,
+                               episode_lengths=stats.episode_lengths)
+            learner.ingest(rollout.clone(), meta.to_meta())
             seq += 1
             batch = learner.take_batch(timeout_s=1.0)
             if batch is None:

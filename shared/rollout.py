@@ -6,6 +6,11 @@ with which shapes and dtypes (from the env's :class:`~shared.envs.base.EnvSpec`)
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -58,3 +63,68 @@ def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch
     if pin_memory:
         tensors = {k: v.pin_memory() for k, v in tensors.items()}
     return TensorDict(tensors, batch_size=[n, t])
+
+
+@dataclass
+class RolloutMeta:
+    """What travels with a rollout (the wire message's meta besides the tensors): who sent it, in
+    which order, which weights acted, and the episodes it finished. The learner reads it in
+    ``learner/ingest.py``; ``to_meta()`` is what ``wire.encode(rollout, **meta)`` and
+    ``Learner.ingest(rollout, meta)`` take.
+
+    Only ``actor`` and ``seq`` are required; a field left None is not sent.
+    """
+    actor: int
+    """The actor's id, 0..num_actors-1."""
+    seq: int
+    """The actor's rollout counter: consecutive from 0 within an actor's life."""
+    policy_version: int | None = None
+    """The weights version that acted first in the rollout (every step records its own)."""
+    env_steps: int | None = None
+    """Env steps in the rollout (N x T)."""
+    incarnation: str | None = None
+    """The learner incarnation whose weights acted: rollouts of an earlier learner are refused."""
+    base_digest: str | None = None
+    """Digest of the frozen base the actor loaded: must be the learner's."""
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    episode_successes: list[bool] | None = None
+    episode_metrics: list[dict[str, float]] | None = None
+    collect_s: float | None = None
+    collect_cpu_s: float | None = None
+    inference_s: float | None = None
+    env_s: float | None = None
+    synced: list[list[float]] | None = None
+    """[version, received, first acted] per weights version taken since the last rollout."""
+    time: float | None = None
+    """When it was sent (``time.time()``)."""
+
+    KIND: ClassVar[str] = "rollout"
+
+    @classmethod
+    def of(cls, actor: int, seq: int, stats=None, **fields: Any) -> RolloutMeta:
+        """The meta of a rollout collected with ``RolloutStats`` `stats` (episodes and timings)."""
+        if stats is not None:
+            fields = {"episode_returns": stats.episode_returns, "episode_lengths": stats.episode_lengths,
+                      "episode_successes": stats.episode_successes, "episode_metrics": stats.episode_metrics[-1000:],
+                      "collect_s": stats.collect_s, "collect_cpu_s": stats.collect_cpu_s,
+                      "inference_s": stats.inference_s, "env_s": stats.env_s, **fields}
+        return cls(actor=actor, seq=seq, **fields)
+
+    def to_meta(self) -> dict[str, Any]:
+        """``{"kind": "rollout", ...}``: the fields that are set."""
+        return {"kind": self.KIND, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
+
+
+def group_seeds(cfg, actor_id: int, seq: int) -> list[int] | None:
+    """GRPO: one reset seed per env, shared within each group of ``group_size`` envs, new for every
+    group, actor and rollout (with ``reset_every_rollout``; otherwise only at the first rollout).
+    None where envs are not reset in groups."""
+    alg = cfg.algorithm
+    if alg.name != "grpo" or (seq > 0 and not alg.cfg.reset_every_rollout):
+        return None
+    gs = alg.cfg.group_size
+    groups = cfg.actors.num_envs // gs
+    seeds = [int(np.random.SeedSequence([cfg.trainer.seed, actor_id, seq, g]).generate_state(1)[0])
+             for g in range(groups)]
+    return [seeds[i // gs] for i in range(groups * gs)]

@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from actors.actor import Actor
 from learner.learner import Learner, ListPublisher, RejectedMessage, make_optimizer
 from shared import keys, wire
+from shared.rollout import RolloutMeta
 from shared.config import config_from_dict
 from shared.policies import load_weights_, make_policy, weights_td
 
@@ -194,7 +195,7 @@ def test_standard_mode_refuses_stale_rollouts():
     cfg = small_config()
     learner, _, _, actor = serial_run(cfg, updates=2)
     stale = actor.collector.collect(version=0)[0].clone()
-    learner.ingest(stale, {"kind": "rollout", "actor": 0, "seq": 99})
+    learner.ingest(stale, RolloutMeta(actor=0, seq=99).to_meta())
     assert learner.counts["dropped_lag"] == 1 and len(learner.buffer) == 0
 
 
@@ -205,16 +206,16 @@ def test_schema_mismatch_refused_naming_actor_and_never_locks_the_id_out():
     bad = learner.template.clone()
     bad.set(keys.OBS, torch.zeros(4, 16, 5))
     with pytest.raises(RejectedMessage, match=r"actor 7: .*observation.*\[4, 16, 5\].*\[4, 16, 4\]"):
-        learner.ingest(bad, {"kind": "rollout", "actor": 7, "seq": 0})
+        learner.ingest(bad, RolloutMeta(actor=7, seq=0).to_meta())
     # A forged first message under actor 7's id must not lock the real actor 7 out.
-    learner.ingest(learner.template.clone(), {"kind": "rollout", "actor": 7, "seq": 1})
+    learner.ingest(learner.template.clone(), RolloutMeta(actor=7, seq=1).to_meta())
     assert len(learner.buffer) == 1
     learner.buffer.take(1)
     learner.env_steps = 0
     nan = learner.template.clone()
     nan[keys.REWARD][0, 0] = float("nan")
     with pytest.raises(RejectedMessage, match="actor 2: .*reward.*NaN"):
-        learner.ingest(nan, {"kind": "rollout", "actor": 2, "seq": 0})
+        learner.ingest(nan, RolloutMeta(actor=2, seq=0).to_meta())
     with pytest.raises(RejectedMessage, match="valid 'actor' id"):
         learner.ingest(learner.template.clone(), {"kind": "rollout", "actor": "x"})
     with pytest.raises(RejectedMessage, match="kind 'weights'"):
@@ -226,9 +227,9 @@ def test_vla_lag_filter_drops_and_counts():
     cfg = small_config(buffer_type="vla", buffer_capacity=4, max_policy_lag=1)
     learner, _, _, actor = serial_run(cfg, updates=3)            # learner now at version 3
     old = actor.collector.collect(version=1)[0].clone()            # lag 2 > 1
-    learner.ingest(old, {"kind": "rollout", "actor": 0, "seq": 50})
+    learner.ingest(old, RolloutMeta(actor=0, seq=50).to_meta())
     ok = actor.collector.collect(version=2)[0].clone()             # lag 1
-    learner.ingest(ok, {"kind": "rollout", "actor": 0, "seq": 51})
+    learner.ingest(ok, RolloutMeta(actor=0, seq=51).to_meta())
     assert learner.counts["dropped_lag"] == 1 and len(learner.buffer) == 1
 
 
@@ -246,7 +247,7 @@ def test_checkpoint_resume_restores_everything(tmp_path):
     # the next update is identical on both
     rollout = actor.collector.collect(version=learner.version)[0].clone()
     for l in (learner, resumed):
-        l.ingest(rollout.clone(), {"kind": "rollout", "actor": 0, "seq": 9})
+        l.ingest(rollout.clone(), RolloutMeta(actor=0, seq=9).to_meta())
         l.update_once(*l.take_batch(timeout_s=0))
     for k, v in learner.policy.state_dict().items():
         torch.testing.assert_close(resumed.policy.state_dict()[k], v)
@@ -317,7 +318,7 @@ def test_actor_abandons_a_rollout_on_stop_and_never_loads_weights_mid_rollout():
 def test_values_that_would_break_the_update_are_refused():
     cfg = small_config(buffer_type="vla")
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
-    meta = {"kind": "rollout", "actor": 0, "seq": 0}
+    meta = RolloutMeta(actor=0, seq=0).to_meta()
     cases = [(keys.ACTION, 5, r"'action' outside 0\.\.1"), (keys.LOG_PROB, 3.0, r"sample_log_prob' > 0"),
              (keys.LOG_PROB, -1000.0, r"sample_log_prob' < -103\.3, the least a sampled discrete action"),
              (keys.TRUNCATED, True, r"'done' differs from 'terminated' \| 'truncated'"),
@@ -587,7 +588,7 @@ def _feed(learner, actor, n, seq):
     """`n` rollouts collected by `actor` with the learner's current version, ingested as actor 0's."""
     for i in range(n):
         learner.ingest(actor.collector.collect(version=learner.version)[0].clone(),
-                       {"kind": "rollout", "actor": 0, "seq": seq + i})
+                       RolloutMeta(actor=0, seq=seq + i).to_meta())
 
 
 def _batch_then_waiting(learner, actor, k, waiting, seq):

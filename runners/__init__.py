@@ -1,0 +1,1 @@
+"""In-process runners: Tandem's components wired into one process (``runners.serial``)."""
