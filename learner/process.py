@@ -108,7 +108,7 @@ class LearnerRun:
             self.curve.start(self.ctx)
         elif cfg.learner.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("learner.host is %s and CURVE is off: anyone who can reach these ports can send "
-                        "rollouts and read the weights (see README: running across hosts)", cfg.learner.host)
+                        "rollouts and read the weights (see docs/guides/two_hosts.md)", cfg.learner.host)
         self.publisher = (WeightsPublisher(self.ctx, cfg.learner.host, cfg.learner.weights_port, curve=self.curve)
                           if self.main else NullPublisher())
         self.logger = (RunLogger(self.run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict()) if self.main

@@ -12,8 +12,7 @@ importance-weight truncation) defaults per correction: 100 for ``is``, ``ewma`` 
 ``none``
     Plain PPO: the clipped ratio pi/mu is taken against the behaviour log-prob mu (the policy that
     acted), GAE on the values, advantages normalised per minibatch (CleanRL). Use for on-policy data
-    (``standard`` mode). At a lag of 1 it was level with the best on Pendulum but below every other
-    correction on HalfCheetah (1761 against 2285-3469, README).
+    (``standard`` mode).
 ``is``
     Decoupled PPO (Hilton et al., 2021): the trust region is centred on the policy at the start of
     the update (the "proximal" policy pi_prox), and each sample's advantage is weighted by
@@ -27,13 +26,9 @@ importance-weight truncation) defaults per correction: 100 for ``is``, ``ewma`` 
     v_{s+1}``, which makes the advantage GAE(lambda) exactly on on-policy data; ``impala``
     ``v_{s+1}``, IMPALA's own, a lambda-return one step on with no lambda at s. Corrects the value
     targets too, which GAE on stale data does not: use for large lags, or whenever the critic's
-    targets matter more than the trust region. Measured on Pendulum at lag 9 (3 seeds): -151 +- 20
-    with ``gae`` against -467 +- 308 with ``impala``; level at lag 1 (8 seeds); HalfCheetah at lag 1:
-    2796 +- 127 against 2620 +- 259 (3 seeds). On stale data its targets and advantages are
+    targets matter more than the trust region. On stale data its targets and advantages are
     recomputed before every epoch from the live critic (``advantages_every`` epoch, its default
-    there; the weights keep the proximal policy as their target): at a lag of exactly 1 Pendulum
-    -129.2 +- 9.9 against -138.8 +- 7.7 once per update (8 seeds), HalfCheetah 2776 +- 136 against
-    2796 +- 127 (3 seeds).
+    there; the weights keep the proximal policy as their target).
 ``appo``
     Sample Factory's APPO (Petrenko et al., 2020): PPO's clip on pi/mu, anchored on the behaviour
     policy as in plain PPO, with V-trace value targets and V-trace advantages. The clip then also
@@ -42,24 +37,20 @@ importance-weight truncation) defaults per correction: 100 for ``is``, ``ewma`` 
     (the defaults ``vtrace_advantage`` impala for appo, ``appo_rho_weight`` true), each advantage
     is also weighted by ``min(rho_bar, pi/mu)``; with the ratio pi/mu already in PPO's surrogate
     that weights every sample twice and damps the ones the policy has moved away from. Computed once
-    at the start of the update, that weight is a trade-off (README, 8 seeds on Pendulum and 3-6 on
-    HalfCheetah at a lag of exactly 1): without it Pendulum gains (-129 +- 9 against -156 +- 33),
-    HalfCheetah, whose policy moves far in one update, has seeds that collapse (2 of 6 below 300).
+    at the start of the update, that weight is a trade-off: without it a task whose policy moves
+    little per update gains, and one whose policy moves far (HalfCheetah) has seeds that collapse.
     So on stale data appo recomputes its targets, advantages and weight before every epoch from the
     live critic and policy (``advantages_every`` epoch, its default there; Sample Factory does it per
-    minibatch): Pendulum -131.9 +- 13.1, level with ``none`` (-131.7 +- 5.7), and HalfCheetah 2148
-    +- 184, still stable. It costs one forward pass over the batch per epoch. Across lags (README) it
-    gains on Pendulum at every lag (87% of the return kept at lag 16, against 75%) but costs
-    HalfCheetah at lag 2.4 (975 +- 738 against 1515 +- 58); set ``advantages_every: update`` there.
+    minibatch), at one forward pass over the batch per epoch; where that costs return (HalfCheetah at
+    moderate lag), set ``advantages_every: update``.
 ``ewma``
     Decoupled PPO whose proximal policy is an exponential moving average of past weights (Hilton et
     al., 2021, "Batch size-invariance for policy optimization"): clip against pi_ewma, weight by
     ``min(rho_bar, pi_ewma / mu)``. The anchor moves smoothly after every optimiser step instead of
     jumping once per update, so the trust region no longer depends on how much data one update
-    takes. Use when the batch per update is large (many actors) or the lag varies a lot. Measured
-    (README): the best on HalfCheetah at lags 1-2 (+41% over ``is`` at lag 1), slightly below ``none``
-    on Pendulum at lag 1 and weak there from lag 8. It costs one more forward of the policy per
-    minibatch (the proximal log-prob), cheap for an MLP and a full forward pass for a large model.
+    takes. Use when the batch per update is large (many actors) or the lag varies a lot. It costs
+    one more forward of the policy per minibatch (the proximal log-prob), cheap for an MLP and a
+    full forward pass for a large model.
 ``mask``
     ``is``, plus RLinf's behaviour-weight filter: samples with ``pi_prox / mu`` outside
     ``[1 / mask_threshold, mask_threshold]`` take no part in the update (no gradient, counted in
@@ -71,6 +62,8 @@ for stale data), and with it every bootstrap value: inside a rollout the next st
 after a truncation or the rollout's last step the value of ``bootstrap_observation``, which
 vla-mode actors send (``actors/rollout.py``). ``trainer.max_policy_lag`` drops data older than that
 many versions before any of this.
+
+How each correction fares across lags, on Pendulum and HalfCheetah, is measured in docs/staleness.md.
 """
 
 from __future__ import annotations

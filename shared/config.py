@@ -80,8 +80,8 @@ class VideoConfig:
     At most 8 evaluations wait: beyond that every other older one is let go, so a long run's videos
     stay spread over it and its end is not held up for long.
     ``auto``: ``live`` where the host has a CPU for every process of the run (learner ranks +
-    actors + evaluator), else ``end``. On the 2-core test VM, live rendering cost HalfCheetah's
-    training 0-20%; ``end`` costs it nothing (README, "Evaluation videos")."""
+    actors + evaluator), else ``end``: live rendering takes CPU from training where cores are short
+    (measured: docs/guides/videos_and_env_metrics.md)."""
 
 
 @dataclass
@@ -173,9 +173,8 @@ class ActorsConfig:
     """Take new weights at most every this many rollouts (newest version only)."""
     weights_at: Literal["auto", "rollout", "step"] = "auto"
     """When an actor takes new weights (vla mode). auto (the default): step when
-    ``actors.sync_every`` is 1, rollout when it asks to hold weights for several rollouts; measured
-    at 50 ms per acting call (``benchmarks/inflight_latency.py``), step lowered the mean lag of the
-    trained samples from 5.3 to 2.3 at the same env steps/s. rollout: only between rollouts, so a whole
+    ``actors.sync_every`` is 1, rollout when it asks to hold weights for several rollouts (what step
+    gains: docs/results/inflight_latency.md). rollout: only between rollouts, so a whole
     rollout is acted by one version. step: between env steps too, as soon as a newer version
     arrives (a non-blocking poll per step), so a long rollout of a slow policy is not acted by
     weights several versions old. Each step records the version that acted either way; a model
@@ -243,9 +242,7 @@ class LearnerConfig:
     mode), so the update takes the other cores only when collection leaves them idle; it excludes
     critic_thread. More threads may sum in another order, so the update is not the same to the bit.
     The default is 1: for MLPs of a few hundred units more threads pay on some CPUs and not on
-    others (HalfCheetah's 256x256 update on two cores: 2.0 s with 2 threads against 1.3 s with 1 on
-    an AMD EPYC VM; 0.50 s against 0.63 s on an Intel Xeon VM; benchmarks/README.md). Larger models
-    on many cores want auto or a number."""
+    others (benchmarks/README.md). Larger models on many cores want auto or a number."""
     critic_thread: Union[bool, Literal["auto", "idle"]] = False
     """PPO with policy.name "actor_critic" on one learner rank: each minibatch's value loss and its
     backward run on a second thread while the first does the policy loss. The actor and the critic
@@ -254,17 +251,15 @@ class LearnerConfig:
     where the learner is on CPU and has a core to spare for it: in standard mode (the actors wait
     for every update) always when the host has two cores or more; in vla mode when it has more cores
     than actors plus one. true: on wherever it applies (an error names why where it cannot).
-    Measured on the 2-core VM (HalfCheetah 256x256, ewma): an update alone 1.4 -> 1.0 s; a 500k run
-    in standard mode 1.13x faster updates for 1.3x their CPU; in vla mode with 2 actors slower (207 s
-    against 190 s: the thread takes the core the actors collect on). Worth it where cores are idle
-    during the update, not where actors need them: hence off by default. idle: the thread, used for a
+    Worth it where cores are idle during the update, not where actors need them (in vla mode the
+    thread takes the core the actors collect on): hence off by default. idle: the thread, used for a
     minibatch only while the actors have nothing to collect, i.e. while the next batch already waits
     in the buffer (under lag_policy "pace" they then wait for the learner; in standard mode they
     always do); otherwise that minibatch's value loss runs on the learner's own thread. The second
     core is then taken only when collection leaves it idle. Quietly off where it cannot apply, like
     auto. The update is the same, bit for bit, whichever thread each value loss ran on
-    (train/critic_thread_share: the share that ran on the thread). Measured (HalfCheetah overlap with
-    ewma, 3 seeds, README): 0.81x -> 0.75x of SB3's wall, 28% of value losses on the thread."""
+    (train/critic_thread_share: the share that ran on the thread). Measurements: the results notebook
+    (docs/results/notebook.md)."""
     recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
@@ -423,8 +418,7 @@ class PPOConfig(ClippedPGConfig):
     policy is an exponential moving average of past weights (Hilton et al. 2021). mask: is, with the
     samples whose pi/mu lies outside [1/mask_threshold, mask_threshold] dropped from the update.
     Any correction but none normalises advantages once per batch, before the importance weight.
-    Recommended in vla mode: is (the best or level with the best from lag 1 to 8 on Pendulum, 3 seeds,
-    and it recovers most of what lag 1 costs HalfCheetah; README, Staleness); mask near lag 16."""
+    Recommended in vla mode: is; mask at large lags. The measurements behind that: docs/staleness.md."""
     rho_bar: Optional[Annotated[float, Range(gt=0)]] = None
     """Truncation of the importance weights. None: 100 for is, ewma and mask (Hilton et al.'s
     reference code clips there; a weight of 1 would pull every update back towards mu), 1 for vtrace
@@ -439,18 +433,15 @@ class PPOConfig(ClippedPGConfig):
     lambda v_{s+1}) - V(s), which is GAE(lambda) exactly on on-policy data and keeps V-trace's
     truncated traces off-policy. impala: r + gamma v_{s+1} - V(s) (IMPALA, Sample Factory), which on
     on-policy data is not GAE for lambda < 1: its target at s+1 is the whole lambda-return. None
-    (default): gae for vtrace, impala for appo, as measured (README): vtrace on Pendulum at lag 9
-    -151 +- 20 with gae against -467 +- 308 with impala, on HalfCheetah at lag 1 2796 +- 127 against
-    2620 +- 259; appo level on Pendulum either way, and on HalfCheetah at lag 1 with the weight one
-    seed in three collapsed with gae (1593 +- 1109) and no seed with impala (2285 +- 222)."""
+    (default): gae for vtrace, impala for appo, the better of the two for each in the measurements of
+    docs/staleness.md."""
     appo_rho_weight: bool = True
     """appo: also weight each advantage by min(rho_bar, pi/mu), as Sample Factory does. PPO's ratio
     pi/mu already importance-weights against the behaviour policy, so this weights every sample
     twice (a gradient through rho x min(rho_bar, rho)): it damps the samples the policy has moved
-    away from. A trade-off, measured at a lag of exactly 1 (README): without it Pendulum gains
-    (-129 +- 9 against -156 +- 33, 8 seeds), HalfCheetah, whose policy moves far in one update,
-    loses (2 seeds of 6 collapsed below 300; with it 2285 +- 222 over 3). Set false for tasks
-    whose policy changes little per update."""
+    away from. A trade-off (measured in docs/staleness.md): it protects tasks whose policy moves far
+    in one update (HalfCheetah) and costs those whose policy changes little (Pendulum): set false
+    for those."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,
@@ -477,11 +468,8 @@ class PPOConfig(ClippedPGConfig):
     stays what the correction set at the start of the update (mu, or the proximal policy), and
     ``mask`` keeps the samples it chose then. Costs one forward pass over the batch per epoch.
     None (default): epoch for appo and vtrace on a batch that holds stale samples (vla mode), else
-    update, so that every correction is plain PPO on fresh data. Measured at a lag of exactly 1
-    (README): appo with it on Pendulum -131.9 +- 13.1 (8 seeds; -156.3 +- 33.4 computed once per
-    update, none -131.7 +- 5.7), on HalfCheetah 2148 +- 184 (3 seeds; 2285 +- 222 once per update);
-    vtrace -129.2 +- 9.9 (-138.8 +- 7.7) and 2776 +- 136 (2796 +- 127). is, ewma and mask: not
-    measured with it. No effect with ``correction: none`` and ``recompute_values: false``."""
+    update, so that every correction is plain PPO on fresh data (measured: docs/staleness.md). No
+    effect with ``correction: none`` and ``recompute_values: false``."""
 
     def vtrace_advantage_for(self) -> str:
         """The V-trace advantage in use (the default depends on the correction)."""

@@ -1,0 +1,75 @@
+"""The manual stays true: README under 200 lines with its two commands first, every tag the learner logs
+named in docs/metrics.md, and every relative link in README.md and docs/ pointing at a file that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TAG = re.compile(r'f?"((?:loss|train|eval|lag|sync|actors|offpolicy|perf|buffer|wire)/[A-Za-z_/{}0-9]+)"')
+
+
+def logged_tags() -> set[str]:
+    """Tag names in the learner's logging code, ``{k}``-style parts written as ``<key>`` / ``<i>``."""
+    tags = set()
+    for path in (ROOT / "learner").glob("*.py"):
+        for tag in TAG.findall(path.read_text()):
+            tags.add(re.sub(r"\{i\}", "<i>", re.sub(r"\{k\}", "<key>", tag)))
+    names = {"loss_policy": "policy", "value_loss": "value"}   # learner.py renames a few stats keys
+    source = (ROOT / "learner" / "learner.py").read_text()
+    block = source[source.index("names = {"):source.index("}", source.index("names = {"))]
+    tags |= {f"loss/{names.get(k, v)}" for k, v in re.findall(r'"(\w+)": "(\w+)"', block)}
+    offpolicy = source[source.index('f"offpolicy/{k}"'):source.index("if k in stats}", source.index('f"offpolicy/{k}"'))]
+    tags |= {f"offpolicy/{k}" for k in re.findall(r'"(\w+)"', offpolicy)}
+    return {t for t in tags if not t.endswith("/") and "{" not in t and t != "offpolicy/<key>"}
+
+
+def test_every_logged_tag_is_documented():
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    tags = logged_tags()
+    assert len(tags) > 40
+    missing = sorted(t for t in tags if f"`{t}`" not in page)
+    assert missing == [], f"docs/metrics.md does not name {missing}"
+
+
+def test_readme_is_a_short_manual_with_the_two_commands_first():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 200
+    first = re.search(r"```bash\n(.*?)```", text, re.S).group(1).splitlines()
+    assert first[0].startswith("launch/run_local.sh") and first[1].startswith("launch/test.sh")
+
+
+def test_relative_links_point_at_files_that_exist():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^(https?:|mailto:|#)", target):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
+def test_result_pages_are_rebuilt_from_their_json():
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results.py"), "--check"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_result_file_missing_its_provenance_is_refused(tmp_path):
+    import json
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import results
+    doc = json.loads((ROOT / "docs" / "results" / "inflight_latency.json").read_text())
+    del doc["commit"]
+    (tmp_path / "x.json").write_text(json.dumps(doc))
+    try:
+        results.build(tmp_path)
+    except results.ResultError as e:
+        assert "x.json: missing ['commit']" in str(e)
+    else:
+        raise AssertionError("a result without its commit was rendered")
