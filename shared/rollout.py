@@ -87,13 +87,21 @@ class RolloutMeta:
     base_digest: str | None = None
     """Digest of the frozen base the actor loaded: must be the learner's."""
     episode_returns: list[float] = field(default_factory=list)
+    """Undiscounted returns of the episodes that ended in the rollout."""
     episode_lengths: list[int] = field(default_factory=list)
+    """Their lengths, in env steps."""
     episode_successes: list[bool] | None = None
+    """Their success, for tasks that define it."""
     episode_metrics: list[dict[str, float]] | None = None
+    """The env's own per-episode figures (``shared/metrics.py`` bounds them)."""
     collect_s: float | None = None
+    """Wall seconds the rollout took to collect."""
     collect_cpu_s: float | None = None
+    """CPU seconds of the collecting thread (policy and env steps, not sleeps)."""
     inference_s: float | None = None
+    """Of the wall seconds, those in the acting policy."""
     env_s: float | None = None
+    """Of the wall seconds, those in env steps."""
     synced: list[list[float]] | None = None
     """[version, received, first acted] per weights version taken since the last rollout."""
     time: float | None = None
