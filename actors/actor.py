@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Protocol
 
@@ -22,6 +21,7 @@ from tensordict import TensorDictBase
 
 from actors.emulated_device import device_for
 from actors.rollout import Collector, sends_bootstrap_obs
+from actors.weights_gate import weights_gate
 from shared import wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
@@ -82,9 +82,9 @@ class Actor:
         self.rollouts_since_sync = 0
         self.failed = False   # set when the actor gives up on an unreachable learner
         self._last_acted = -1
-        # Weights messages seen but not loaded yet, with their arrival time: loaded at a rollout
-        # boundary, and only once `actors.weights_delay_s` old (a controlled-staleness knob).
-        self._incoming: deque[tuple[float, tuple[TensorDictBase, dict]]] = deque()
+        # Weights messages seen but not loaded yet: the gate says which is due (actors/weights_gate.py:
+        # the newest at once, or held back by the study knobs weights_delay_s / weights_lag_versions).
+        self.gate = weights_gate(cfg.actors)
         self._received_at = 0.0                      # when the loaded version arrived
         self._synced: list[list] = []                # [[version, received, first acted]] for the next rollout
         self._new_version = False
@@ -115,54 +115,17 @@ class Actor:
             log.info("actor %d: stop requested by the learner", self.actor_id)
             self.stop_event.set()
             return False
-        now = time.time()
-        if self.cfg.actors.weights_lag_versions:
-            self._queue_lagged(now, msg)
-            return True
-        if self.cfg.actors.weights_delay_s <= 0:
-            self._incoming.clear()      # only the newest can ever be loaded
-        self._incoming.append((now, msg))
-        cutoff = now - self.cfg.actors.weights_delay_s
-        while len(self._incoming) > 1 and self._incoming[1][0] <= cutoff:
-            self._incoming.popleft()    # superseded by a newer message that is also due
+        self.gate.offer(time.time(), msg)
         return True
 
-    def _queue_lagged(self, now: float, msg) -> None:
-        """`weights_lag_versions` K: keep the messages whose version may still become due (the
-        newest received, back to K versions before it). A restarted learner's weights replace
-        whatever was queued from the old one."""
-        meta = msg[1]
-        version = meta.get("version")
-        if not (isinstance(version, int) and not isinstance(version, bool)):
-            return
-        if self._incoming and self._incoming[-1][1][1].get("incarnation") != meta.get("incarnation"):
-            self._incoming.clear()
-        if self._incoming and version <= self._incoming[-1][1][1]["version"]:
-            return                       # an old or repeated message: the queue is in version order
-        self._incoming.append((now, msg))
-        target = version - self.cfg.actors.weights_lag_versions
-        while len(self._incoming) > 1 and self._incoming[1][1][1]["version"] <= target:
-            self._incoming.popleft()     # superseded by a newer one that is also due
+    @property
+    def _incoming(self):
+        """Weights messages received and not loaded yet (the gate's queue), oldest first."""
+        return self.gate.queue
 
     def _pop_due(self):
         """The queued message to load now, if any (and drop it and everything older)."""
-        k = self.cfg.actors.weights_lag_versions
-        if k:
-            if not self._incoming:
-                return None
-            target = self._incoming[-1][1][1]["version"] - k
-            oldest = self._incoming[0][1][1]
-            restarted = self.incarnation is not None and oldest.get("incarnation") != self.incarnation
-            if oldest["version"] <= target or self.version < 0 or self._torn or restarted:
-                # due; or the first weights, a torn load or a restarted learner (whose versions must
-                # replace ours at once, or its first update would wait on data it cannot get): the oldest held
-                return self._incoming.popleft()
-            return None
-        cutoff = time.time() - self.cfg.actors.weights_delay_s
-        due = None
-        while self._incoming and self._incoming[0][0] <= cutoff:
-            due = self._incoming.popleft()
-        return due
+        return self.gate.due(time.time(), self.version, self.incarnation, self._torn)
 
     def _load_due(self) -> None:
         """Load the newest queued weights that are due (if newer than ours): at least

@@ -17,10 +17,14 @@ machine, ``actors.inference_latency_s`` (a), ``actors.inference_latency_per_env_
 Calibrate ``a`` and ``b`` from a real model's forward time at two batch sizes (the action-token VLA:
 ``benchmarks/vla_weights.py`` prints them). The emulation is for CPU studies; on GPUs, use the
 real devices and leave these at their defaults.
+
+:class:`EmulatedInference` and :class:`SlowEnv` wrap the policy and the env with these knobs, so the
+collector's step loop runs the same code with or without them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -72,3 +76,39 @@ def device_for(names: list[str], actor_id: int, lock_dir: str | Path) -> Emulate
 def latency_s(a: float, b: float, batch: int) -> float:
     """The emulated latency of one acting call on `batch` envs."""
     return a + b * batch
+
+
+class EmulatedInference:
+    """The acting policy on an emulated device: each call holds `device` (None: this actor's alone)
+    for the forward pass and then `latency_s` of sleep. Everything else (``get_value``, ``critic``,
+    ``parameters``) is the policy's own."""
+
+    def __init__(self, policy, latency_s: float, device: EmulatedDevice | None = None):
+        self.policy, self.latency_s = policy, latency_s
+        self.device = device if device is not None else contextlib.nullcontext()
+
+    def __call__(self, td):
+        with self.device:
+            out = self.policy(td)
+            if self.latency_s:
+                time.sleep(self.latency_s)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+
+class SlowEnv:
+    """An env whose every step takes `delay_s` longer: a slow actor, for tests and studies
+    (``actors.slowdown_s``). Everything else is the env's own."""
+
+    def __init__(self, env, delay_s: float):
+        self.env, self.delay_s = env, delay_s
+
+    def step(self, action):
+        out = self.env.step(action)
+        time.sleep(self.delay_s)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.env, name)

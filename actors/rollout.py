@@ -8,7 +8,6 @@ rollout. Two storages alternate so one can be filled while ZeroMQ still reads th
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +16,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from actors.emulated_device import EmulatedInference, SlowEnv
 from shared import keys
 from shared.envs.base import BatchedEnv
 from shared.rollout import rollout_template, sends_bootstrap_obs  # noqa: F401  (the schema, re-exported)
@@ -52,6 +52,13 @@ class Collector:
     def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
                  num_buffers: int = 2, step_delay_s: float = 0.0, inference_latency_s: float = 0.0,
                  bootstrap_obs: bool = False, inference_latency_per_env_s: float = 0.0, device_lock=None):
+        # The study knobs wrap the env and the policy (actors/emulated_device.py): the loop below is
+        # the same with them or without.
+        if step_delay_s:
+            env = SlowEnv(env, step_delay_s)
+        latency = inference_latency_s + inference_latency_per_env_s * env.num_envs
+        if latency or device_lock is not None:
+            policy = EmulatedInference(policy, latency, device_lock)
         self.env, self.policy, self.num_steps = env, policy, num_steps
         # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
@@ -66,9 +73,6 @@ class Collector:
                                       with_bootstrap_obs=self.bootstrap_obs)
                      if self.device.type != "cpu" else None)
         self._next = 0
-        self.step_delay_s = step_delay_s
-        self.inference_latency_s = inference_latency_s + inference_latency_per_env_s * env.num_envs
-        self.device_lock = device_lock if device_lock is not None else contextlib.nullcontext()
         self.obs = env.reset(seed=seed).to(self.device)
         self.env_steps = 0
 
@@ -121,15 +125,10 @@ class Collector:
                         return None
                 ver_b[:, t] = version
             ti = time.perf_counter()
-            with self.device_lock:
-                td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
-                action = td[keys.ACTION]
-                if self.inference_latency_s:
-                    time.sleep(self.inference_latency_s)
+            td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
+            action = td[keys.ACTION]
             te = time.perf_counter()
             step = self.env.step(action)
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
             stats.inference_s += te - ti
             stats.env_s += time.perf_counter() - te
             if step.reward.device != self.device:   # CPU simulators (gymnasium) with a GPU policy

@@ -100,7 +100,7 @@ def test_latency_is_a_plus_b_times_batch():
     try:
         col = Collector(env, make_policy(cfg, env.spec), num_steps=5, seed=0, inference_latency_s=0.004,
                         inference_latency_per_env_s=0.002)
-        assert col.inference_latency_s == pytest.approx(0.004 + 4 * 0.002)
+        assert col.policy.latency_s == pytest.approx(0.004 + 4 * 0.002)       # the policy, wrapped
         _, stats, _ = col.collect(version=0)
         assert stats.inference_s >= 5 * 0.012
         assert stats.collect_cpu_s < stats.collect_s      # sleeping is not CPU
@@ -134,3 +134,21 @@ def test_an_actor_with_emulated_devices_needs_a_lock_directory():
     cfg = config_from_dict({"env": {"id": "CartPole-v1"}, "actors": {"emulated_devices": ["gpu0"]}}, source="test")
     with pytest.raises(ValueError, match="lock files"):
         Actor(cfg, 0, weights=None, sink=None)
+
+
+def test_without_study_knobs_the_collector_steps_the_env_and_policy_themselves():
+    from actors.emulated_device import EmulatedInference, SlowEnv
+    cfg = config_from_dict({"env": {"id": "CartPole-v1"}}, source="test")
+    env = make_env("CartPole-v1", 2)
+    try:
+        policy = make_policy(cfg, env.spec)
+        plain = Collector(env, policy, num_steps=3, seed=0)
+        assert plain.env is env and plain.policy is policy
+        slow = Collector(env, policy, num_steps=3, seed=0, step_delay_s=0.001)
+        assert isinstance(slow.env, SlowEnv) and slow.env.num_envs == 2 and slow.policy is policy
+        _, stats, _ = slow.collect(version=0)
+        assert stats.env_s >= 3 * 0.001
+        assert isinstance(Collector(env, policy, num_steps=3, seed=0, inference_latency_s=0.001).policy,
+                          EmulatedInference)
+    finally:
+        env.close()
