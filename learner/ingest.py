@@ -20,7 +20,7 @@ import logging
 import math
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
@@ -29,8 +29,7 @@ from shared import keys, wire
 from shared.envs import EnvSpec
 from shared.metrics import clean_metrics
 
-if TYPE_CHECKING:
-    from learner.learner import Learner
+from learner.counters import RunCounters
 
 log = logging.getLogger("tandem.learner")
 
@@ -115,20 +114,38 @@ def message_limits(template: TensorDictBase) -> tuple[int, int]:
 
 
 class Intake:
-    """The receiver thread's side of one :class:`Learner`: every message passes through here.
+    """The receiver thread's side of the learner: every message passes through here, is checked, is
+    counted, and (a rollout) is handed to `store`. It knows the learner only through what it is given.
 
     Args:
-        learner: whose buffer, counters and eval queue it fills.
+        cfg: the run's config (actors' ids, and the lag the learner accepts).
+        spec: the env's spec (action bounds for the value checks).
+        template: one rollout of the run's schema: what every rollout must match.
+        counters: where what arrives is counted.
+        store: ``store(td, info, other_learner)`` takes a rollout that passed every check (lag filter,
+            buffer); ``info`` is its bookkeeping for ``versions.jsonl``.
+        version: the learner's current weights version (a rollout may not claim a newer one).
+        accepting: False once the run's env steps are all in: rollouts are then ignored.
+        publish_times: version -> when it was published (weight-sync delays), kept up to date by the learner.
+        evals: where checked evaluation results queue for the main thread.
+        logger: writes ``versions.jsonl`` sync lines (None: no run directory).
+        base_digest, incarnation: the frozen base's digest and this learner life's id, which rollouts
+            must match.
         eval_token: the secret the learner gave its evaluator; results must carry it.
     """
 
-    def __init__(self, learner: Learner, eval_token: str | None = None):
-        self.learner = learner
+    def __init__(self, cfg, spec: EnvSpec, template: TensorDictBase, counters: RunCounters,
+                 store: Callable[[TensorDictBase, dict, bool], None], version: Callable[[], int],
+                 accepting: Callable[[], bool], publish_times: dict[int, float], evals: queue.Queue,
+                 logger=None, base_digest: str = "", incarnation: str = "", eval_token: str | None = None):
+        self.cfg, self.spec, self.counters, self.store = cfg, spec, counters, store
+        self.version, self.accepting = version, accepting
+        self.publish_times, self.evals, self.logger = publish_times, evals, logger
+        self.base_digest, self.incarnation = base_digest, incarnation
         self.eval_token = eval_token
-        self.expected = {k: (v.shape, v.dtype) for k, v in learner.template.items(include_nested=True,
-                                                                                   leaves_only=True)}
-        self.logp_low, self.logp_high = log_prob_bounds(learner.spec, learner.template[keys.LOG_PROB].dtype)
-        self.max_frame_bytes, self.max_message_bytes = message_limits(learner.template)
+        self.expected = {k: (v.shape, v.dtype) for k, v in template.items(include_nested=True, leaves_only=True)}
+        self.logp_low, self.logp_high = log_prob_bounds(spec, template[keys.LOG_PROB].dtype)
+        self.max_frame_bytes, self.max_message_bytes = message_limits(template)
 
     # ------------------------------------------------------------------ the total entry point
     def handle(self, frames: list, sender: str, socket: str = "rollouts") -> bool:
@@ -153,7 +170,7 @@ class Intake:
             self.note_rejected(who, str(e))
         except Exception as e:   # a bug on a bad message must not take the run down
             self.note_rejected(who, f"{type(e).__name__} while ingesting: {e}")
-            if self.learner.counts["rejected"] <= 3:
+            if self.counters.counts["rejected"] <= 3:
                 log.exception("unexpected error while ingesting a message from %s", who)
         return False
 
@@ -165,7 +182,7 @@ class Intake:
                                                 and hmac.compare_digest(token.encode(), self.eval_token.encode())):
             raise RejectedMessage("evaluation result without this run's evaluator token")
         try:
-            self.learner.evals.put_nowait(check_eval(meta))   # never block the receiver thread
+            self.evals.put_nowait(check_eval(meta))   # never block the receiver thread
         except queue.Full:
             raise RejectedMessage("evaluation result dropped: 64 results wait to be logged already") from None
 
@@ -176,23 +193,21 @@ class Intake:
         Raises:
             RejectedMessage: naming the actor and the problem; nothing was stored.
         """
-        learner = self.learner
         kind = meta.get("kind")
         if kind == "eval":
             raise RejectedMessage("evaluation results are taken only from the evaluator's own socket")
-        if not learner.accepting:
+        if not self.accepting():
             return  # the run is over; this rollout is neither counted nor stored
         if kind != "rollout":
             raise RejectedMessage(f"message of kind {kind!r}: the rollout socket accepts 'rollout'")
         actor = meta.get("actor")
-        if not _is_int(actor) or not 0 <= actor < learner.cfg.actors.num_actors:
+        if not _is_int(actor) or not 0 <= actor < self.cfg.actors.num_actors:
             raise RejectedMessage(f"rollout without a valid 'actor' id (got {actor!r}; actors.num_actors is "
-                                  f"{learner.cfg.actors.num_actors})")
+                                  f"{self.cfg.actors.num_actors})")
         try:
             self._accept(td, meta, actor)
         except RejectedMessage:
-            with learner._lock:   # a refused rollout is finished too: a pacing actor must not wait for it
-                learner.finished_per_actor[actor] += 1
+            self.counters.finish(actor)   # a refused rollout is finished too: a pacing actor must not wait for it
             raise
 
     def check_schema(self, td: TensorDictBase) -> list[str]:
@@ -214,7 +229,7 @@ class Intake:
                     return f"rollout {k!r} holds NaN or inf"
                 if float(v.abs().max()) > MAX_ABS_VALUE:
                     return f"rollout {k!r} holds values beyond +-{MAX_ABS_VALUE:g}"
-        act = self.learner.spec.action
+        act = self.spec.action
         if act.kind == "discrete":
             a = td[keys.ACTION]
             if bool(((a < 0) | (a >= act.n)).any()):
@@ -236,7 +251,6 @@ class Intake:
         return None
 
     def _accept(self, td: TensorDictBase, meta: dict, actor: int) -> None:
-        learner = self.learner
         problems = self.check_schema(td)
         if problems:
             raise RejectedMessage(f"actor {actor}: rollout does not match the learner's schema: "
@@ -247,9 +261,10 @@ class Intake:
             raise RejectedMessage(f"actor {actor}: {bad}")
         versions = td[keys.POLICY_VERSION]
         vmin, vmax = int(versions.min()), int(versions.max())
-        if vmax > learner.version:
+        version = self.version()
+        if vmax > version:
             raise RejectedMessage(f"actor {actor}: rollout claims version {vmax}, newer than the learner's "
-                                  f"{learner.version}")
+                                  f"{version}")
         now = time.time()
         seq, sent = meta.get("seq"), meta.get("time")
         # Only well-typed values reach versions.jsonl: a peer's meta must never break the log writer.
@@ -265,56 +280,29 @@ class Intake:
                 "sent": float(sent) if _is_num(sent) and math.isfinite(sent) else None,
                 "received": now}
         base = meta.get("base_digest")
-        if base is not None and base != learner.base_digest:
+        if base is not None and base != self.base_digest:
             raise RejectedMessage(f"actor {actor}: acts with another base model (frozen weights digest "
-                                  f"{str(base)[:16]}, the learner's is {learner.base_digest[:16]}): both must load "
+                                  f"{str(base)[:16]}, the learner's is {self.base_digest[:16]}): both must load "
                                   f"the same policy.vla_config.model_path")
         incarnation = meta.get("incarnation")
-        other_learner = incarnation is not None and incarnation != learner.incarnation
+        other_learner = incarnation is not None and incarnation != self.incarnation
         self.note_syncs(actor, meta.get("synced"))
         spent = {"collect_wall_s": meta.get("collect_s"), "collect_cpu_s": meta.get("collect_cpu_s")}
-        with learner._lock:
-            for k, v in spent.items():   # the actor's own account: only plausible numbers are added
-                if _is_num(v) and math.isfinite(v) and 0 <= v <= MAX_COLLECT_S:
-                    learner.time_totals[k] += float(v)
-            learner.env_steps += td.numel()
-            learner._steps_per_actor[actor] += td.numel()
-            learner.counts["rollouts"] += 1
-            if learner.first_rollout_time is None:
-                learner.first_rollout_time = now
-            learner.last_rollout_time = now
-            successes = meta.get("episode_successes")
-            if isinstance(successes, list):
-                learner._successes.extend(x for x in successes[:10_000] if isinstance(x, bool))
-            metrics = meta.get("episode_metrics")
-            if isinstance(metrics, list):   # bounded and cleaned: a peer cannot flood the logs
-                learner._metrics.extend(m for m in map(clean_metrics, metrics[:1_000]) if m)
-            for r, n in list(zip(returns, lengths))[:10_000]:
-                if _is_num(r) and _is_int(n) and math.isfinite(r):
-                    learner._episodes.append((float(r), n))
-        if learner.discard:
-            return
-        if other_learner:
-            # Acted by weights an earlier life of the learner published (before a restart): its
-            # version numbers are not this learner's, so its lag is unknown.
-            learner._drop(info, "other_learner")
-            return
-        if learner.reward_scaler is not None:
-            learner.reward_scaler.observe(actor, td[keys.REWARD], td[keys.DONE])
-        lag = learner.version - vmin
-        if lag > (0 if learner.standard else learner.cfg.trainer.max_policy_lag):
-            learner._drop(info, "lag")
-            return
-        overwritten = learner.buffer.put(td, info)
-        if overwritten is not None:
-            learner._drop(overwritten, "overwritten")
-        with learner._data_ready:
-            learner._data_ready.notify_all()
+        # the actor's own account: only plausible numbers are added; episodes bounded and cleaned, so
+        # that a peer cannot flood the logs
+        times = {k: float(v) for k, v in spent.items() if _is_num(v) and math.isfinite(v) and 0 <= v <= MAX_COLLECT_S}
+        successes = meta.get("episode_successes")
+        successes = [x for x in successes[:10_000] if isinstance(x, bool)] if isinstance(successes, list) else []
+        metrics = meta.get("episode_metrics")
+        metrics = [m for m in map(clean_metrics, metrics[:1_000]) if m] if isinstance(metrics, list) else []
+        episodes = [(float(r), n) for r, n in list(zip(returns, lengths))[:10_000]
+                    if _is_num(r) and _is_int(n) and math.isfinite(r)]
+        self.counters.add_rollout(actor, td.numel(), now, times, episodes, successes, metrics)
+        self.store(td, info, other_learner)
 
     def note_syncs(self, actor: int, synced: Any) -> None:
         """Weight-sync delays an actor reports: ``[[version, received, first_acted], ...]`` for each
         version it started acting with since its last rollout. Ill-typed entries are ignored."""
-        learner = self.learner
         if not isinstance(synced, list):
             return
         for item in synced[:16]:
@@ -322,15 +310,14 @@ class Intake:
                     and all(_is_num(x) for x in item[1:])):
                 continue
             version, received, acted = item[0], float(item[1]), float(item[2])
-            published = learner.publish_times.get(version)
+            published = self.publish_times.get(version)
             if published is None or not (math.isfinite(received) and math.isfinite(acted)):
                 continue
             delay = acted - published
-            with learner._lock:
-                learner._sync_delays.append(delay)
-            if learner.logger is not None:
-                learner.logger.versions.write(event="sync", actor=actor, version=version, time=acted,
-                                              published=published, received=received, delay_s=delay)
+            self.counters.add_sync_delay(delay)
+            if self.logger is not None:
+                self.logger.versions.write(event="sync", actor=actor, version=version, time=acted,
+                                           published=published, received=received, delay_s=delay)
 
     # ------------------------------------------------------------------ counting what is dropped
     def note_malformed(self, sender: str, error: str) -> None:
@@ -344,6 +331,4 @@ class Intake:
             log.warning("rejected message #%d from %s: %s", n, sender, error[:500])
 
     def _count(self, key: str) -> int:
-        with self.learner._lock:
-            self.learner.counts[key] += 1
-            return self.learner.counts[key]
+        return self.counters.count(key)

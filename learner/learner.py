@@ -14,7 +14,6 @@ Only the main thread touches the policy and the optimiser. The receiver thread t
 
 from __future__ import annotations
 
-import hashlib
 import os
 import json
 import logging
@@ -24,25 +23,25 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
+from learner.counters import RunCounters
 from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_, save_checkpoint
 from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.grpo import MASK, grpo_advantages, grpo_update
 from learner.logs import RunLogger, fmt_num
 from learner.minibatch import log_ratio
 from learner.ppo import ppo_update
+from learner.weights_out import Publisher, WeightsOut  # noqa: F401 (Publisher: re-exported)
 from learner.vtrace import EWMAProximal, bootstrap_mask, current_values, ewma_decay_for, vtrace
 from shared import keys
-from shared.shm_weights import ShmWeightsWriter, default_path
 
 if TYPE_CHECKING:
     from learner.distributed import Ranks
@@ -56,10 +55,6 @@ from shared.policies import (frozen_digest, has_critic, make_policy, published_s
 from shared.policies.normalization import RewardScaler
 
 log = logging.getLogger("tandem.learner")
-
-
-class Publisher(Protocol):
-    def publish(self, td: TensorDictBase, **meta: Any) -> None: ...
 
 
 class ListPublisher:
@@ -166,7 +161,7 @@ class Learner:
         self.discard = discard   # benchmark mode: receive, decode, check and count, never store
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.device = torch.device(cfg.learner.device)
-        self.publisher, self.logger = publisher, logger
+        self.logger = logger
         self.algo = cfg.algorithm.cfg
         t = cfg.trainer
         self.standard = t.buffer_type == "standard"
@@ -217,41 +212,26 @@ class Learner:
         self.buffer = CircularBuffer(capacity, self.template)
         self._pending: list[tuple[TensorDictBase, dict]] = []   # taken, waiting for the rest of a batch
         self._data_ready = threading.Condition()
-        self._lock = threading.Lock()          # counters shared with the receiver thread
+        n_act = cfg.actors.num_actors
+        # Counters and recent episodes, shared with the receiver thread under their own lock.
+        self.stats = RunCounters(n_act)
+        self._lock = self.stats.lock
         self.version = 0
-        self.env_steps = 0                     # env steps received (trained on or dropped)
         self.env_steps_trained = 0
         self.updates = 0
-        self.counts = {"rollouts": 0, "dropped_lag": 0, "overwritten": 0, "dropped_other": 0, "malformed": 0,
-                       "rejected": 0, "skipped_steps": 0, "failed_updates": 0, "updates_cut_short": 0}
-        # Where the time goes, in seconds over the run: the updates' wall and CPU time (every thread of
-        # this process while it updates), and what the actors report of their collection (wall, and
-        # the CPU time of the thread that steps the envs and runs the policy).
-        self.time_totals = {"update_wall_s": 0.0, "update_cpu_s": 0.0, "collect_wall_s": 0.0, "collect_cpu_s": 0.0}
         # This life of the learner: a new one after every restart (--resume too). Weights messages
         # carry it, so that actors take a restarted learner's versions even when they are lower.
         self.incarnation = uuid.uuid4().hex[:16]
         if ranks is not None:   # one learner of several ranks: rank 0's identity for all (actors send to each)
             self.incarnation = f"{ranks.all_gather_ints([int(self.incarnation, 16) >> 2])[0][0]:016x}"
         self._failed_in_a_row = 0
-        self._episodes: deque[tuple[float, int]] = deque(maxlen=100)
-        self._successes: deque[bool] = deque(maxlen=100)
-        self._metrics: deque[dict[str, float]] = deque(maxlen=100)   # env metrics of recent episodes
-        n_act = cfg.actors.num_actors
-        self.finished_per_actor = [0] * n_act      # rollouts consumed or dropped, per actor (pacing)
-        self._steps_per_actor = [0] * n_act         # env steps received, per actor
         self._steps_at_log = ([0] * n_act, time.time())
-        self._sync_delays: list[float] = []         # since the last log
-        self.publish_times: dict[int, float] = {}   # version -> wall time it was published (recent ones)
-        self._credit_sent: list[int] = []
-        self._credit_time = 0.0
         self.curve = None                           # a shared.security.CurveServer, set by the learner process
         self.peer_env_steps = 0                     # env steps the other learner ranks received
         self.peer_finished: list[int] | None = None  # their per-actor consumed/dropped counts
         self._ddp = None
         self._digests = (self.run_dir / "ranks" / f"rank{ranks.rank if ranks else 0}.jsonl"
                          if cfg.learner.rank_digests and self.run_dir is not None else None)
-        self.shm_writer = None
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue(maxsize=64)   # results from the evaluator
         self.last_eval: dict | None = None
@@ -261,17 +241,46 @@ class Learner:
         # Asked between minibatches: True (a stop signal; LearnerRun sets it) cuts the update short, so
         # that a long update does not hold up shutdown. One rank only: DDP ranks take the same steps.
         self.stop_requested: Callable[[], bool] | None = None
-        self.first_rollout_time: float | None = None   # wall clock of the first and last rollout received
-        self.last_rollout_time: float | None = None
         self._wait_s = 0.0
         self.next_save = t.save_freq
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
-        if cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main):
-            tag = hashlib.sha1(str(self.run_dir or id(self)).encode()).hexdigest()[:12]
-            self.shm_writer = ShmWeightsWriter(weights_td(self.policy), default_path(tag), cfg.learner.shm_slots)
-        self.intake = Intake(self)   # the receiver thread's checks and bookkeeping (learner/ingest.py)
+        shm = cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main)
+        self.weights_out = WeightsOut(publisher, self.policy, self.device, self.incarnation, self.base_digest,
+                                      shm_slots=cfg.learner.shm_slots if shm else None, run_dir=self.run_dir)
+        self.publish_times, self.shm_writer = self.weights_out.publish_times, self.weights_out.shm_writer
+        # The receiver thread's checks and bookkeeping (learner/ingest.py), given what it needs.
+        self.intake = Intake(cfg, self.spec, self.template, self.stats, store=self._store,
+                             version=lambda: self.version, accepting=lambda: self.accepting,
+                             publish_times=self.publish_times, evals=self.evals, logger=self.logger,
+                             base_digest=self.base_digest, incarnation=self.incarnation)
+
+    @property
+    def publisher(self):
+        """Where weights messages go (``WeightsOut``'s publisher)."""
+        return self.weights_out.publisher
+
+    @publisher.setter
+    def publisher(self, value) -> None:
+        self.weights_out.publisher = value
+
+    # ---------------------------------------------------------------- counters (RunCounters, one lock)
+    counts = property(lambda self: self.stats.counts, doc="What happened to every message and rollout.")
+    time_totals = property(lambda self: self.stats.time_totals, doc="Update and collection seconds so far.")
+    finished_per_actor = property(lambda self: self.stats.finished_per_actor)
+    first_rollout_time = property(lambda self: self.stats.first_rollout_time)
+    last_rollout_time = property(lambda self: self.stats.last_rollout_time)
+
+    @property
+    def env_steps(self) -> int:
+        """Env steps received (trained on or dropped), by this learner rank."""
+        return self.stats.env_steps
+
+    @env_steps.setter
+    def env_steps(self, value: int) -> None:
+        with self._lock:
+            self.stats.env_steps = value
 
     # ================================================================ receiving (any thread)
     def ingest(self, td: TensorDictBase, meta: dict) -> None:
@@ -282,17 +291,35 @@ class Learner:
         """
         self.intake.rollout(td, meta)
 
+    def _store(self, td: TensorDictBase, info: dict, other_learner: bool) -> None:
+        """A rollout the intake accepted: the lag filter, then the buffer (any thread)."""
+        if self.discard:
+            return
+        if other_learner:
+            # Acted by weights an earlier life of the learner published (before a restart): its
+            # version numbers are not this learner's, so its lag is unknown.
+            self._drop(info, "other_learner")
+            return
+        if self.reward_scaler is not None:
+            self.reward_scaler.observe(info["actor"], td[keys.REWARD], td[keys.DONE])
+        lag = self.version - info["policy_version"]
+        if lag > (0 if self.standard else self.cfg.trainer.max_policy_lag):
+            self._drop(info, "lag")
+            return
+        overwritten = self.buffer.put(td, info)
+        if overwritten is not None:
+            self._drop(overwritten, "overwritten")
+        with self._data_ready:
+            self._data_ready.notify_all()
+
     def _drop(self, info: dict, reason: str) -> None:
-        with self._lock:
-            key = {"lag": "dropped_lag", "stale": "dropped_lag", "overwritten": "overwritten"}.get(reason, "dropped_other")
-            self.counts[key] = self.counts.get(key, 0) + 1
+        self.stats.count_drop(reason)
         self._version_event("drop", info, reason=reason)
 
     def _version_event(self, event: str, info: dict, **extra: Any) -> None:
         """One consume/drop line: the lag of every sample of the rollout at this moment (exact
         histogram, min, mean, max), and the rollout's episode statistics (for the drop bias)."""
-        with self._lock:
-            self.finished_per_actor[info["actor"]] += 1
+        self.stats.finish(info["actor"])
         if self.logger is None:
             return
         hist = [[self.version - v, c] for v, c in info["version_counts"]]
@@ -310,29 +337,7 @@ class Learner:
     def publish(self, final: bool = False, event: str = "publish") -> None:
         if self.ranks is not None and not self.ranks.is_main:
             return                      # rank 0 publishes for every rank (they hold the same weights)
-        # A copy: ZeroMQ may still be reading these bytes when the next optimiser step runs.
-        now = time.time()
-        if self.shm_writer is not None:
-            # One copy into the shared-memory ring (it also is the snapshot); the message says where
-            # and goes first, so that actors copy each chunk while the next one is written.
-            where = self.shm_writer.begin(self.version)
-            weights, extra = TensorDict({}, batch_size=[]), where
-        else:
-            weights = weights_td(self.policy)
-            weights, extra = (weights.clone() if self.device.type == "cpu" else weights.cpu()), {}
-        if not final:
-            self.publish_times[self.version] = now
-            for old in [v for v in self.publish_times if v < self.version - 1000]:
-                del self.publish_times[old]
-        finished = self.finished_counts()
-        self._credit_sent, self._credit_time = finished, now
-        # `consumed`: per actor, its rollouts the learner has consumed or dropped (lag_policy "pace").
-        self.publisher.publish(weights, kind="weights", version=self.version, incarnation=self.incarnation,
-                               base_digest=self.base_digest,
-                               env_steps=self.env_steps + self.peer_env_steps, final=final, time=now,
-                               consumed=finished, **extra)
-        if self.shm_writer is not None:
-            self.shm_writer.write_body(weights_td(self.policy), self.version)
+        self.weights_out.publish(self.version, self.env_steps + self.peer_env_steps, self.finished_counts(), final)
         if self.logger is not None and not final:  # final re-sends the current version: no new line
             self.logger.versions.write(event=event, version=self.version, time=time.time(),
                                        env_steps=self.env_steps + self.peer_env_steps, updates=self.updates,
@@ -343,16 +348,11 @@ class Learner:
         weights message, so that none waits for a credit that only the next update would bring."""
         if self.standard or self.cfg.trainer.lag_policy != "pace":
             return
-        now = time.time()
-        finished = self.finished_counts()
-        if finished != self._credit_sent and now - self._credit_time >= min_interval_s:
-            self.publisher.send_control(kind="credit", consumed=finished, time=now, incarnation=self.incarnation)
-            self._credit_sent, self._credit_time = finished, now
+        self.weights_out.send_credit(self.finished_counts(), min_interval_s)
 
     def finished_counts(self) -> list[int]:
         """Per actor, its rollouts consumed or dropped, over every learner rank."""
-        with self._lock:
-            mine = list(self.finished_per_actor)
+        mine = self.stats.finished()
         if self.peer_finished is not None:
             mine = [a + b for a, b in zip(mine, self.peer_finished)]
         return mine
@@ -536,8 +536,7 @@ class Learner:
             keep = (rho >= 1.0 / a.mask_threshold) & (rho <= a.mask_threshold)
             flat.set(MASK, keep)
             masked = int((~keep).sum())
-            with self._lock:
-                self.counts["masked_samples"] = self.counts.get("masked_samples", 0) + masked
+            self.stats.count("masked_samples", masked)
             out["masked_frac"] = masked / keep.numel()
         out.update({"rho_mean": float(rho.mean()), "rho_max": float(rho.max()),
                     "rho_clipped_frac": float((rho > rho_bar).float().mean())})
@@ -615,8 +614,7 @@ class Learner:
             stats["idle_threads_share"] = self._wide_minibatches / max(self._minibatches, 1)
         self._note_skips(stats)
         if stats.get("stopped"):
-            with self._lock:
-                self.counts["updates_cut_short"] += 1
+            self.stats.count("updates_cut_short")
             say(f"[learner] stop requested: update {self.updates + 1} cut short after {int(stats['steps'])} "
                 f"optimiser steps ({int(stats['epochs'])} of {a.n_epochs} epochs begun)")
         # Normaliser statistics move after the update, so every epoch above saw the same
@@ -626,8 +624,7 @@ class Learner:
         self.updates += 1
         self.version += 1
         if self.ranks is not None:   # the other ranks consumed their shares in this same update
-            with self._lock:
-                mine = list(self.finished_per_actor)
+            mine = self.stats.finished()
             rows = self.ranks.all_gather_ints(mine)
             self.peer_finished = [sum(r[i] for j, r in enumerate(rows) if j != self.ranks.rank)
                                   for i in range(len(mine))]
@@ -636,9 +633,7 @@ class Learner:
             self._write_digest()
         update_s = time.perf_counter() - t0
         update_cpu_s = time.process_time() - c0
-        with self._lock:
-            self.time_totals["update_wall_s"] += update_s
-            self.time_totals["update_cpu_s"] += update_cpu_s
+        self.stats.add_times(update_wall_s=update_s, update_cpu_s=update_cpu_s)
         self._log_update(stats, lags, update_s, infos, update_cpu_s)
         return stats
 
@@ -647,10 +642,9 @@ class Learner:
         step at all still publishes (standard-mode actors wait for a new version), with the same
         weights; only a run whose updates keep failing stops, with the reason."""
         skipped = int(stats.get("skipped_steps", 0))
-        with self._lock:
-            self.counts["skipped_steps"] += skipped
-            if skipped and not stats.get("steps"):
-                self.counts["failed_updates"] += 1
+        self.stats.count("skipped_steps", skipped)
+        if skipped and not stats.get("steps"):
+            self.stats.count("failed_updates")
         if skipped:
             log.warning("update %d: skipped %d of %d optimiser steps (non-finite loss or gradient); the weights "
                         "stay as they were for those", self.updates + 1, skipped, skipped + int(stats.get("steps", 0)))
@@ -663,11 +657,8 @@ class Learner:
 
     def _log_update(self, stats: dict[str, float], lags: torch.Tensor, update_s: float, infos: list[dict],
                     update_cpu_s: float = 0.0) -> None:
-        with self._lock:
-            episodes = list(self._episodes)
-            counts = dict(self.counts)
-            totals = dict(self.time_totals)
-            env_steps = self.env_steps
+        snap = self.stats.snapshot()
+        episodes, counts, totals, env_steps = snap["episodes"], snap["counts"], snap["time_totals"], snap["env_steps"]
         elapsed = time.time() - self.start_time
         # loss/policy, loss/value and loss/entropy are the unweighted terms; the coefficients are in the config
         names = {"loss_policy": "policy", "value_loss": "value", "entropy": "entropy", "approx_kl": "approx_kl",
@@ -685,13 +676,10 @@ class Learner:
         values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
         values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None
         values["train/updates"] = self.updates
-        with self._lock:
-            successes = list(self._successes)
+        successes = snap["successes"]
         if successes:
             values["train/success_rate"] = sum(successes) / len(successes)
-        with self._lock:
-            metrics = list(self._metrics)
-        values.update({f"train/metrics/{k}": v for k, v in mean_metrics(metrics).items()})
+        values.update({f"train/metrics/{k}": v for k, v in mean_metrics(snap["metrics"]).items()})
         lagf = lags.float()
         values.update({"lag/mean": float(lagf.mean()), "lag/max": float(lagf.max()), "lag/min": float(lagf.min())})
         values.update({"perf/sps": env_steps / max(elapsed, 1e-9), "perf/update_s": update_s,
@@ -702,9 +690,7 @@ class Learner:
         rollouts = max(counts["rollouts"], 1)
         values.update({"buffer/dropped_lag_share": counts["dropped_lag"] / rollouts,
                        "buffer/overwritten_share": counts["overwritten"] / rollouts})
-        with self._lock:
-            per_actor, delays = list(self._steps_per_actor), self._sync_delays
-            self._sync_delays = []
+        per_actor, delays = snap["steps_per_actor"], self.stats.take_sync_delays()
         (before, t_before), now = self._steps_at_log, time.time()
         if now > t_before:
             values.update({f"actors/{i}/sps": (s - b) / (now - t_before)
@@ -755,10 +741,8 @@ class Learner:
                                 version=self.last_eval["version"], wall_s=self.last_eval["time"] - self.start_time)
 
     def progress_line(self) -> str:
-        with self._lock:
-            episodes = list(self._episodes)
-            counts = dict(self.counts)
-            env_steps = self.env_steps
+        snap = self.stats.snapshot()
+        episodes, counts, env_steps = snap["episodes"], snap["counts"], snap["env_steps"]
         elapsed = time.time() - self.start_time
         ret = f"{sum(r for r, _ in episodes) / len(episodes):.1f}" if episodes else "-"
         ev = "-"

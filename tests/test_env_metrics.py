@@ -141,7 +141,7 @@ def test_hostile_episode_metrics_are_cleaned_and_the_rollout_kept():
     meta["episode_metrics"] = [flood, {"x" * 500: 1.0, "ok": float("inf")}, "junk", 7, {"fine": 2.0}] * 400
     lrn.ingest(td, meta)
     assert len(lrn.buffer) == 1                            # the data is kept
-    kept = list(lrn._metrics)
+    kept = list(lrn.stats.metrics)
     assert len(kept) == 100 and all(len(m) <= MAX_KEYS for m in kept)
     lrn.update_once(*lrn.take_batch(timeout_s=0))
     assert sum(k.startswith("train/metrics/") for k in lrn.last_update_values) <= MAX_KEYS

@@ -262,7 +262,7 @@ def test_hostile_meta_never_reaches_the_logs_or_breaks_the_learner(tmp_path):
     td = learner.template.clone()
     learner.ingest(td, {"kind": "rollout", "actor": 0, "seq": b"\x00bytes", "time": "yesterday",
                         "episode_returns": [1.0, "x", float("nan")], "episode_lengths": [3, 4]})
-    assert len(learner.buffer) == 1 and list(learner._episodes) == [(1.0, 3)]
+    assert len(learner.buffer) == 1 and list(learner.stats.episodes) == [(1.0, 3)]
     for bad in ({"returns": ["x"], "lengths": [1], "version": 0, "env_steps": 0},
                 {"returns": [1.0], "lengths": [1, 2], "version": 0, "env_steps": 0},
                 {"returns": [1.0], "lengths": [1], "version": "0", "env_steps": 0},
