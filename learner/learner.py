@@ -36,10 +36,11 @@ from learner.counters import RunCounters
 from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_, save_checkpoint
 from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.grpo import MASK, grpo_advantages, grpo_update
-from learner.logs import RunLogger, fmt_num
+from learner.logs import RunLogger
 from learner.minibatch import log_ratio
 from learner.ppo import ppo_update
 from learner.weights_out import Publisher, WeightsOut  # noqa: F401 (Publisher: re-exported)
+from learner.update_log import UpdateLog
 from learner.vtrace import EWMAProximal, bootstrap_mask, current_values, ewma_decay_for, vtrace
 from shared import keys
 
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 from shared.config import Config
 from shared.console import say
 from shared.envs import EnvSpec, env_spec
-from shared.metrics import clean_metrics, mean_metrics
 from shared.rollout import rollout_template, sends_bootstrap_obs
 from shared.policies import (frozen_digest, has_critic, make_policy, published_state,
                              weights_digest, weights_td)
@@ -225,7 +225,6 @@ class Learner:
         if ranks is not None:   # one learner of several ranks: rank 0's identity for all (actors send to each)
             self.incarnation = f"{ranks.all_gather_ints([int(self.incarnation, 16) >> 2])[0][0]:016x}"
         self._failed_in_a_row = 0
-        self._steps_at_log = ([0] * n_act, time.time())
         self.curve = None                           # a shared.security.CurveServer, set by the learner process
         self.peer_env_steps = 0                     # env steps the other learner ranks received
         self.peer_finished: list[int] | None = None  # their per-actor consumed/dropped counts
@@ -234,9 +233,7 @@ class Learner:
                          if cfg.learner.rank_digests and self.run_dir is not None else None)
         self.record_dir = (self.run_dir / "record") if (t.record and self.run_dir is not None) else None
         self.evals: "queue.Queue[dict]" = queue.Queue(maxsize=64)   # results from the evaluator
-        self.last_eval: dict | None = None
-        self.best_eval: dict | None = None      # trainer.keep_best: the evaluator's best.pt, as it reports it
-        self.start_time = time.time()
+        self.update_log = UpdateLog(cfg, self.stats, logger)   # metrics of each update and evaluation
         self.accepting = True          # False once the run's env steps are all in (LearnerRun._drain)
         # Asked between minibatches: True (a stop signal; LearnerRun sets it) cuts the update short, so
         # that a long update does not hold up shutdown. One rank only: DDP ranks take the same steps.
@@ -657,106 +654,21 @@ class Learner:
 
     def _log_update(self, stats: dict[str, float], lags: torch.Tensor, update_s: float, infos: list[dict],
                     update_cpu_s: float = 0.0) -> None:
-        snap = self.stats.snapshot()
-        episodes, counts, totals, env_steps = snap["episodes"], snap["counts"], snap["time_totals"], snap["env_steps"]
-        elapsed = time.time() - self.start_time
-        # loss/policy, loss/value and loss/entropy are the unweighted terms; the coefficients are in the config
-        names = {"loss_policy": "policy", "value_loss": "value", "entropy": "entropy", "approx_kl": "approx_kl",
-                 "clip_frac": "clip_frac", "grad_norm": "grad_norm", "explained_variance": "explained_variance",
-                 "epochs": "epochs", "kl_ref": "kl_ref", "samples": "samples", "skipped_steps": "skipped_steps"}
-        values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
-        values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift",
-                                                             "bootstrap_shift", "masked_frac", "prox_weight_mean")
-                       if k in stats})
-        values["train/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        if "side_share" in stats:   # learner.critic_thread: the share of value losses run on its thread
-            values["train/critic_thread_share"] = stats["side_share"]
-        if "idle_threads_share" in stats:   # learner.torch_threads "idle": the share run on every core
-            values["train/idle_threads_share"] = stats["idle_threads_share"]
-        values["train/episode_return_mean"] = sum(r for r, _ in episodes) / len(episodes) if episodes else None
-        values["train/episode_length_mean"] = sum(n for _, n in episodes) / len(episodes) if episodes else None
-        values["train/updates"] = self.updates
-        successes = snap["successes"]
-        if successes:
-            values["train/success_rate"] = sum(successes) / len(successes)
-        values.update({f"train/metrics/{k}": v for k, v in mean_metrics(snap["metrics"]).items()})
-        lagf = lags.float()
-        values.update({"lag/mean": float(lagf.mean()), "lag/max": float(lagf.max()), "lag/min": float(lagf.min())})
-        values.update({"perf/sps": env_steps / max(elapsed, 1e-9), "perf/update_s": update_s,
-                       "perf/update_cpu_s": update_cpu_s,
-                       **{f"perf/total/{k}": v for k, v in totals.items()},
-                       "perf/learner_wait_s": self._wait_s,
-                       "perf/samples_per_update": float(lags.numel())})
-        rollouts = max(counts["rollouts"], 1)
-        values.update({"buffer/dropped_lag_share": counts["dropped_lag"] / rollouts,
-                       "buffer/overwritten_share": counts["overwritten"] / rollouts})
-        per_actor, delays = snap["steps_per_actor"], self.stats.take_sync_delays()
-        (before, t_before), now = self._steps_at_log, time.time()
-        if now > t_before:
-            values.update({f"actors/{i}/sps": (s - b) / (now - t_before)
-                           for i, (s, b) in enumerate(zip(per_actor, before))})
-        self._steps_at_log = (per_actor, now)
-        if delays:
-            values.update({"sync/delay_s": sum(delays) / len(delays), "sync/delay_max_s": max(delays)})
-        values.update({"buffer/fill": len(self.buffer), "buffer/dropped_lag": counts["dropped_lag"],
-                       "buffer/overwritten": counts["overwritten"], "wire/malformed": counts["malformed"],
-                       "wire/rejected": counts["rejected"], "train/skipped_steps_total": counts["skipped_steps"],
-                       "train/failed_updates": counts["failed_updates"]})
-        if "masked_samples" in counts:
-            values["offpolicy/masked_samples_total"] = counts["masked_samples"]
-        if self.curve is not None:
-            values["wire/auth_refused"] = self.curve.refused
+        self.update_log.update(stats, lags, update_s, update_cpu_s, version=self.version, updates=self.updates,
+                               learning_rate=self.optimizer.param_groups[0]["lr"], buffer_fill=len(self.buffer),
+                               wait_s=self._wait_s, auth_refused=self.curve.refused if self.curve is not None else None)
         self._wait_s = 0.0
-        self.last_update_values = values
-        if self.logger is not None:
-            self.logger.scalars(env_steps, values, version=self.version, updates=self.updates)
-            self.logger.histogram("lag/hist", lags, env_steps)
-            if delays:
-                self.logger.histogram("sync/delay_s", torch.tensor(delays), env_steps)
 
     def log_eval(self, meta: dict) -> None:
-        if self.last_eval is not None and meta.get("version") == self.last_eval["version"]:
-            return  # the final weights were already evaluated: no duplicate line
-        returns = [float(r) for r in meta.get("returns", [])]
-        lengths = [int(n) for n in meta.get("lengths", [])]
-        if not returns:
-            return
-        mean = sum(returns) / len(returns)
-        std = math.sqrt(sum((r - mean) ** 2 for r in returns) / len(returns))
-        successes = meta.get("successes") or []
-        metrics = clean_metrics(meta.get("metrics"))
-        self.last_eval = {"eval/return_mean": mean, "eval/return_std": std,
-                          "eval/length_mean": sum(lengths) / max(len(lengths), 1),
-                          **({"eval/success_rate": sum(successes) / len(successes)} if successes else {}),
-                          **{f"eval/metrics/{k}": v for k, v in metrics.items()},
-                          "env_steps": int(meta.get("env_steps", self.env_steps)),
-                          "version": int(meta.get("version", -1)), "time": time.time()}
-        if "best_score" in meta:
-            self.best_eval = {"version": meta["best_version"], "score": meta["best_score"],
-                              "path": "checkpoints/best.pt"}
-            self.last_eval["eval/best_score"] = meta["best_score"]
-        if self.logger is not None:
-            self.logger.scalars(self.last_eval["env_steps"], {k: v for k, v in self.last_eval.items()
-                                                                if k.startswith("eval/")},
-                                version=self.last_eval["version"], wall_s=self.last_eval["time"] - self.start_time)
+        self.update_log.evaluation(meta)
 
     def progress_line(self) -> str:
-        snap = self.stats.snapshot()
-        episodes, counts, env_steps = snap["episodes"], snap["counts"], snap["env_steps"]
-        elapsed = time.time() - self.start_time
-        ret = f"{sum(r for r, _ in episodes) / len(episodes):.1f}" if episodes else "-"
-        ev = "-"
-        if self.last_eval:
-            rate = self.last_eval.get("eval/success_rate")
-            ev = (f"{self.last_eval['eval/return_mean']:.1f}" + (f" ({100 * rate:.0f}% success)" if rate is not None
-                                                                 else "") + f" @ {fmt_num(self.last_eval['env_steps'])}")
-            if self.best_eval is not None:
-                ev += f" (best v{self.best_eval['version']}: {self.best_eval['score']:.3g})"
-        lag = getattr(self, "last_update_values", {}).get("lag/mean")
-        return (f"[learner] {elapsed:6.1f}s | steps {fmt_num(env_steps)}/{fmt_num(self.cfg.trainer.total_steps)} | "
-                f"{env_steps / max(elapsed, 1e-9):6.0f} sps | v{self.version} | return {ret} | eval {ev} | "
-                f"lag {'-' if lag is None else f'{lag:.2f}'} | dropped {counts['dropped_lag']}+{counts['overwritten']}"
-                f" | bad {counts['malformed'] + counts['rejected']}")
+        return self.update_log.progress_line(self.version)
+
+    last_update_values = property(lambda self: self.update_log.last_values)
+    last_eval = property(lambda self: self.update_log.last_eval)
+    best_eval = property(lambda self: self.update_log.best_eval)
+    start_time = property(lambda self: self.update_log.start_time)
 
     # ================================================================ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ def logged_tags() -> set[str]:
         for tag in TAG.findall(path.read_text()):
             tags.add(re.sub(r"\{i\}", "<i>", re.sub(r"\{k\}", "<key>", tag)))
     names = {"loss_policy": "policy", "value_loss": "value"}   # learner.py renames a few stats keys
-    source = (ROOT / "learner" / "learner.py").read_text()
+    source = (ROOT / "learner" / "update_log.py").read_text()
     block = source[source.index("names = {"):source.index("}", source.index("names = {"))]
     tags |= {f"loss/{names.get(k, v)}" for k, v in re.findall(r'"(\w+)": "(\w+)"', block)}
     offpolicy = source[source.index('f"offpolicy/{k}"'):source.index("if k in stats}", source.index('f"offpolicy/{k}"'))]
