@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from learner.minibatch import log_ratio as clamped_log_ratio, run_epochs
+from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio, run_epochs
 from shared import keys
 from shared.config import GRPO_EPISODE_NEEDS_TRUNCATION, GRPOConfig
 
@@ -135,7 +135,7 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
         with torch.no_grad():
             fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
     result = run_epochs(policy, optimizer, fields, lambda mb: grpo_loss(policy, mb, cfg), cfg.n_epochs,
-                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, sync_mean,
-                        should_stop=should_stop, before_minibatch=before_minibatch)
+                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator,
+                        EpochHooks(sync_mean=sync_mean, should_stop=should_stop, before_minibatch=before_minibatch))
     result["samples"] = n
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Executor, wait
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,18 +36,34 @@ def _backward(fn: LossFn, mb: TensorDictBase) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in out.items()}
 
 
+@dataclass
+class EpochHooks:
+    """What the epoch loop calls besides the loss, each optional (see :func:`run_epochs`).
+
+    Attributes:
+        sync_mean: the mean over learner ranks (DDP), for the early stop on approx-KL.
+        after_step: after every optimiser step taken (the EWMA proximal policy moves there).
+        side_loss: ``(executor, fn)``, a second loss computed on the executor's thread.
+        side_when: before each minibatch, whether `side_loss` runs on its thread this time.
+        should_stop: after every minibatch; True ends the update there.
+        before_minibatch: before each minibatch's forward pass.
+        before_epoch: before every epoch after the first; returns the fields that epoch trains on.
+    """
+    sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+    after_step: Callable[[], None] | None = None
+    side_loss: tuple[Executor, LossFn] | None = None
+    side_when: Callable[[], bool] | None = None
+    should_stop: Callable[[], bool] | None = None
+    before_minibatch: Callable[[], None] | None = None
+    before_epoch: Callable[[], dict[str, torch.Tensor]] | None = None
+
+
 def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict[str, torch.Tensor],
                loss_fn: LossFn, n_epochs: int, batch_size: int, max_grad_norm: float,
-               target_kl: float | None, generator: torch.Generator,
-               sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               after_step: Callable[[], None] | None = None,
-               side_loss: tuple[Executor, LossFn] | None = None,
-               side_when: Callable[[], bool] | None = None,
-               should_stop: Callable[[], bool] | None = None,
-               before_minibatch: Callable[[], None] | None = None,
-               before_epoch: Callable[[], dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
+               target_kl: float | None, generator: torch.Generator, hooks: EpochHooks | None = None
+               ) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
-    exactly once per pass, in minibatches drawn with `generator`.
+    exactly once per pass, in minibatches drawn with `generator`. The `hooks` are below.
 
     `loss_fn(minibatch)` returns a dict: keys starting with ``loss_`` are summed and minimised, the
     rest (``approx_kl`` among them) are only averaged for logging. Returns those means, plus
@@ -75,6 +92,9 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
     `before_epoch`: called before every epoch after the first; the fields it returns (the same
     keys and lengths) replace `fields` from that epoch on.
     """
+    h = hooks if hooks is not None else EpochHooks()
+    sync_mean, after_step, side_loss, side_when = h.sync_mean, h.after_step, h.side_loss, h.side_when
+    should_stop, before_minibatch, before_epoch = h.should_stop, h.before_minibatch, h.before_epoch
     n = next(iter(fields.values())).shape[0]
     device = next(iter(fields.values())).device
     params = [p for p in policy.parameters() if p.requires_grad]

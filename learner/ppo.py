@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from learner.grpo import MASK
-from learner.minibatch import log_ratio as clamped_log_ratio, run_epochs
+from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio, run_epochs
 from learner.vtrace import EWMAProximal
 from shared import keys
 from shared.config import PPOConfig
@@ -140,11 +140,11 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
         side = (critic_thread, lambda mb: ppo_critic_loss(policy, mb, cfg))
     else:
         loss_fn, side = (lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn)), None  # noqa: E731
+    hooks = EpochHooks(sync_mean=sync_mean, after_step=proximal.step if proximal is not None else None,
+                       side_loss=side, side_when=critic_when, should_stop=should_stop,
+                       before_minibatch=before_minibatch, before_epoch=refreshed if refresh is not None else None)
     result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
-                        cfg.target_kl, generator, sync_mean,
-                        after_step=proximal.step if proximal is not None else None, side_loss=side,
-                        side_when=critic_when, should_stop=should_stop, before_minibatch=before_minibatch,
-                        before_epoch=refreshed if refresh is not None else None)
+                        cfg.target_kl, generator, hooks)
     b = batch.reshape(-1)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]

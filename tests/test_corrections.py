@@ -316,7 +316,7 @@ def _info(meta, td):
 
 def test_before_epoch_replaces_the_fields_from_the_next_epoch_on():
     """run_epochs: the fields before_epoch returns are what the later epochs train on."""
-    from learner.minibatch import run_epochs
+    from learner.minibatch import EpochHooks, run_epochs
     n, seen, calls = 6, [], []
     lin = torch.nn.Linear(1, 1)
 
@@ -330,7 +330,7 @@ def test_before_epoch_replaces_the_fields_from_the_next_epoch_on():
 
     fields = {keys.OBS: torch.ones(n, 1), keys.ADVANTAGE: torch.ones(n)}
     stats = run_epochs(lin, torch.optim.SGD(lin.parameters(), lr=0.0), fields, loss_fn, 3, 4, 0.5, None,
-                       torch.Generator().manual_seed(0), before_epoch=before_epoch)
+                       torch.Generator().manual_seed(0), EpochHooks(before_epoch=before_epoch))
     assert stats["epochs"] == 3 and calls == [2, 4]       # before epochs 2 and 3, never before the first
     assert [float(s.mean()) for s in seen] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
 
