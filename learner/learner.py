@@ -14,7 +14,6 @@ Only the main thread touches the policy and the optimiser. The receiver thread t
 
 from __future__ import annotations
 
-import os
 import json
 import logging
 import math
@@ -22,8 +21,6 @@ import queue
 import threading
 import time
 import uuid
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -33,6 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from learner.advantages import compute_gae
 from learner.buffer import CircularBuffer
 from learner.counters import RunCounters
+from learner.cpu_threads import CpuThreads, learner_threads, uses_critic_thread  # noqa: F401 (re-exported)
 from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_, save_checkpoint
 from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.grpo import MASK, grpo_advantages, grpo_update
@@ -73,61 +71,6 @@ class ListPublisher:
 
 
 MAX_FAILED_UPDATES = 10   # updates in a row with no finite optimiser step before the run stops
-
-
-def learner_threads(cfg: Config) -> int:
-    """``learner.torch_threads`` as a number: "auto" resolves to the cores this process may use, less
-    one per actor in vla mode (they collect while the learner trains; in standard mode they wait for
-    every update), shared among the learner ranks on this host (torchrun's LOCAL_WORLD_SIZE); at least 1."""
-    threads = cfg.learner.torch_threads
-    if threads == "idle":
-        return 1                     # raised per minibatch while the actors idle: idle_threads()
-    if threads != "auto":
-        return int(threads)
-    return max(1, _cores_left_to_learner(cfg) // _local_ranks())
-
-
-def idle_threads(cfg: Config) -> int | None:
-    """``learner.torch_threads`` "idle": the intra-op threads for a minibatch taken while the actors
-    have nothing to collect (every core this process may use, shared among the local learner ranks);
-    None for any other setting."""
-    if cfg.learner.torch_threads != "idle":
-        return None
-    return max(1, _usable_cores() // _local_ranks())
-
-
-def _local_ranks() -> int:
-    """Learner ranks on this host (torchrun's LOCAL_WORLD_SIZE), at least 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:           # not on Linux
-        return os.cpu_count() or 1
-
-
-def _cores_left_to_learner(cfg: Config) -> int:
-    """The cores this process may use, less one per actor in vla mode (they collect while the
-    learner trains; in standard mode they wait for every update)."""
-    return _usable_cores() - (0 if cfg.trainer.buffer_type == "standard" else cfg.actors.num_actors)
-
-
-def uses_critic_thread(cfg: Config, policy: torch.nn.Module, ranks=None) -> bool:
-    """``learner.critic_thread`` resolved: does the PPO update run the value loss on a second thread
-    (for "idle", at least at times: ``Learner.critic_when`` says when)?"""
-    choice = cfg.learner.critic_thread
-    applies = (cfg.algorithm.name == "ppo" and ranks is None and hasattr(policy, "evaluate_actor")
-               and has_critic(policy))
-    if choice not in ("auto", "idle"):
-        return bool(choice) and applies
-    if not applies or torch.device(cfg.learner.device).type != "cpu":
-        return False
-    return choice == "idle" or _cores_left_to_learner(cfg) >= 2
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float, eps: float) -> torch.optim.Adam:
@@ -180,21 +123,8 @@ class Learner:
             steps = self.algo.n_epochs * math.ceil(samples / self.algo.batch_size)
             decay = self.algo.ewma_decay if self.algo.ewma_decay is not None else ewma_decay_for(steps)
             self.ewma = EWMAProximal(self.policy, decay)
-        # learner.critic_thread: the value loss's forward and backward on a second thread
-        self.critic_thread = None
-        if uses_critic_thread(cfg, self.policy, ranks):
-            threads = learner_threads(cfg)
-            self.critic_thread = ThreadPoolExecutor(1, thread_name_prefix="critic", initializer=torch.set_num_threads,
-                                                    initargs=(threads,))
-            weakref.finalize(self, self.critic_thread.shutdown, wait=False)
-        # "idle" in vla mode: the thread only while the next batch already waits (the actors idle)
-        self.critic_when = None
-        if self.critic_thread is not None and cfg.learner.critic_thread == "idle" and not self.standard:
-            self.critic_when = lambda: len(self.buffer) >= self.k
-        # learner.torch_threads "idle": more intra-op threads for the minibatches taken while the
-        # next batch already waits (the actors idle; in standard mode they always do)
-        self.idle_threads = idle_threads(cfg)
-        self._minibatches = self._wide_minibatches = 0
+        # CPU-thread scheduling of the update (learner/cpu_threads.py): a critic thread, idle cores
+        self.cpu = CpuThreads(cfg, self.policy, ranks, batch_waiting=lambda: self.standard or len(self.buffer) >= self.k)
         # GRPO's KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
         self.ref_policy = None
         if self.grpo and self.algo.kl_coef > 0:
@@ -539,17 +469,6 @@ class Learner:
                     "rho_clipped_frac": float((rho > rho_bar).float().mean())})
         return out, False
 
-    def _widen_when_idle(self) -> None:
-        """Before each minibatch (``learner.torch_threads`` "idle"): every usable core while the next
-        batch already waits in the buffer, else one thread. Switching costs ~2 ms, so only a change
-        of state switches."""
-        wide = self.standard or len(self.buffer) >= self.k
-        threads = self.idle_threads if wide else 1
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        self._minibatches += 1
-        self._wide_minibatches += wide
-
     def update_once(self, data: TensorDictBase, infos: list[dict], reward_std: float | None = None
                     ) -> dict[str, float]:
         """One update on `k` rollouts ``[k, N, T]``; bumps the version and publishes.
@@ -577,8 +496,8 @@ class Learner:
                 g["lr"] = a.learning_rate * frac
         self.policy.train()
         should_stop = self.stop_requested if self.ranks is None else None
-        widen = self._widen_when_idle if self.idle_threads is not None else None
-        self._minibatches = self._wide_minibatches = 0
+        widen = self.cpu.before_minibatch if self.cpu.idle_threads is not None else None
+        self.cpu.start_update()
         try:
             if self.grpo:
                 adv, mask = grpo_advantages(flat[keys.REWARD], flat[keys.DONE], a.group_size, a.gamma, a.eps,
@@ -601,14 +520,14 @@ class Learner:
                 stats = ppo_update(self._update_policy(), self.optimizer, flat, a, self.generator,
                                    sync_mean=self._sync_mean, renormalize=renormalize, proximal=self.ewma,
                                    refresh=refresh,
-                                   critic_thread=self.critic_thread, critic_when=self.critic_when,
+                                   critic_thread=self.cpu.critic_thread, critic_when=self.cpu.critic_when,
                                    should_stop=should_stop, before_minibatch=widen)
                 stats.update(correction_stats)
         finally:
             if widen is not None and torch.get_num_threads() != 1:
                 torch.set_num_threads(1)     # back to one: the actors may collect again
         if widen is not None:
-            stats["idle_threads_share"] = self._wide_minibatches / max(self._minibatches, 1)
+            stats["idle_threads_share"] = self.cpu.wide_share()
         self._note_skips(stats)
         if stats.get("stopped"):
             self.stats.count("updates_cut_short")

@@ -471,7 +471,7 @@ def test_critic_thread_resolves_where_it_applies_and_has_a_core(monkeypatch):
     cfg.learner.critic_thread = True
     assert uses_critic_thread(cfg, policy)
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
-    assert learner.critic_thread is not None
+    assert learner.cpu.critic_thread is not None
     cfg.policy.name = "actor_only"
     assert not uses_critic_thread(cfg, make_policy(cfg, env_spec_of(cfg)))   # no critic
 
@@ -494,7 +494,7 @@ def test_critic_thread_idle_runs_the_value_loss_there_only_while_the_next_batch_
     assert not uses_critic_thread(cfg, policy)                  # off the CPU: quietly off, as auto
     cfg.learner.device = "cpu"
     learner, _, _, actor = wired(cfg)
-    assert learner.critic_thread is not None and learner.critic_when is not None
+    assert learner.cpu.critic_thread is not None and learner.cpu.critic_when is not None
     seen = []
     get_value = learner.policy.get_value
     monkeypatch.setattr(learner.policy, "get_value",
@@ -508,7 +508,7 @@ def test_critic_thread_idle_runs_the_value_loss_there_only_while_the_next_batch_
         assert seen and all(seen) == (waiting == 0) and (not any(seen)) == (waiting > 0), (waiting, seen)
         assert stats["side_share"] == (0.0 if waiting == 0 else 1.0)
     cfg.trainer.buffer_type = "standard"                        # the actors wait for every update: no gate
-    assert Learner(cfg, run_dir=None, publisher=ListPublisher()).critic_when is None
+    assert Learner(cfg, run_dir=None, publisher=ListPublisher()).cpu.critic_when is None
 
 
 @pytest.mark.parametrize("patch,why", [
@@ -538,7 +538,8 @@ def test_torch_threads_idle_widens_only_the_minibatches_taken_while_the_next_bat
     the actors always wait, so every minibatch is wide."""
     import torch
 
-    from learner.learner import Learner, ListPublisher, idle_threads, learner_threads
+    from learner.cpu_threads import idle_threads, learner_threads
+    from learner.learner import Learner, ListPublisher
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     cfg = small_config()
     cfg.trainer.buffer_type, cfg.trainer.buffer_capacity = "vla", 4
@@ -565,7 +566,7 @@ def test_torch_threads_idle_widens_only_the_minibatches_taken_while_the_next_bat
         cfg.trainer.buffer_type = "standard"
         std = Learner(cfg, run_dir=None, publisher=ListPublisher())
         seen.clear()
-        std._widen_when_idle()
+        std.cpu.before_minibatch()
         assert seen == [3]
     finally:
         set_threads(1)
