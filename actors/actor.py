@@ -26,7 +26,7 @@ from shared import wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
-from shared.rollout import RolloutMeta, group_seeds
+from shared.rollout import RolloutMeta, actor_seed, group_seeds
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
@@ -59,7 +59,7 @@ class Actor:
         self.weights, self.sink = weights, sink
         self.stop_event = stop_event or threading.Event()
         self.learner_timeout_s = learner_timeout_s
-        seed = cfg.trainer.seed * 100_003 + 1_000 * actor_id
+        seed = actor_seed(cfg, actor_id)
         torch.manual_seed(seed)
         self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device,
                             tokenizer=instruction_tokenizer(cfg))

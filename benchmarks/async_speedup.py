@@ -285,7 +285,7 @@ def run_thread_variant(args, name: str = "thread") -> Result:
     from torch import nn
 
     from actors.rollout import Collector, sends_bootstrap_obs
-    from shared.rollout import RolloutMeta
+    from shared.rollout import RolloutMeta, actor_seed
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher, learner_threads
     from shared.config import load_config
@@ -323,7 +323,7 @@ def run_thread_variant(args, name: str = "thread") -> Result:
                 return self.policy.get_value(td)
 
     learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
-    seed = cfg.trainer.seed * 100_003           # actor 0's seed, as actors.actor.Actor seeds itself
+    seed = actor_seed(cfg, 0)                   # actor 0's seed, as actors.actor.Actor seeds itself
     torch.manual_seed(seed)
     env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, cfg.learner.device)
     collector = Collector(env, LockedPolicy(learner.policy), cfg.trainer.buffer_size, seed=seed,

@@ -76,7 +76,7 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     import torch
 
     from actors.rollout import Collector, sends_bootstrap_obs
-    from shared.rollout import RolloutMeta
+    from shared.rollout import RolloutMeta, actor_seed
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher
     from shared.config import load_config
@@ -110,7 +110,7 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
         take_published()
     collectors = []
     for i in range(actors):
-        s = cfg.trainer.seed * 100_003 + 1_000 * i        # as actors.actor.Actor seeds actor i
+        s = actor_seed(cfg, i)                             # as actors.actor.Actor seeds actor i
         torch.manual_seed(s)
         env = make_env(cfg.env.id, num_envs, cfg.env.cfg, "cpu")
         policy = make_policy(cfg, env.spec).eval()

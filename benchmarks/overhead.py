@@ -142,11 +142,12 @@ def worker_main(phase: str, config: str, overrides: list[str], idx: int, steps: 
     import torch
     from shared.config import load_config
     from shared.envs import make_env
+    from shared.rollout import actor_seed
 
     cfg = load_config(config, overrides)
     torch.set_num_threads(cfg.actors.torch_threads)   # what an actor process does (1 by default)
     device = cfg.actors.devices[idx % len(cfg.actors.devices)]
-    seed = cfg.trainer.seed * 100_003 + 1_000 * idx   # as actors.actor.Actor seeds itself
+    seed = actor_seed(cfg, idx)                        # as actors.actor.Actor seeds itself
     torch.manual_seed(seed)
     env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, device)
     try:

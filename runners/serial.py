@@ -40,7 +40,7 @@ from shared.console import say
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
 from shared.policies import has_critic, load_weights_, make_policy
-from shared.rollout import RolloutMeta, group_seeds, sends_bootstrap_obs
+from shared.rollout import RolloutMeta, actor_seed, group_seeds, sends_bootstrap_obs
 
 
 class LatestWeights:
@@ -62,7 +62,7 @@ class SerialActor:
 
     def __init__(self, cfg: Config, actor_id: int, device: str | None = None):
         self.cfg, self.actor_id, self.seq = cfg, actor_id, 0
-        self.seed = cfg.trainer.seed * 100_003 + 1_000 * actor_id      # the actor process's seed
+        self.seed = actor_seed(cfg, actor_id)                          # the actor process's seed
         torch.manual_seed(self.seed)
         self.device = torch.device(device or cfg.actors.devices[actor_id % len(cfg.actors.devices)])
         self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device,

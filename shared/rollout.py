@@ -121,7 +121,14 @@ class RolloutMeta:
 
     def to_meta(self) -> dict[str, Any]:
         """``{"kind": "rollout", ...}``: the fields that are set."""
-        return {"kind": self.KIND, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
+        # shallow: the episode lists go to the codec as they are, not deep-copied once per rollout
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"kind": self.KIND, **{k: v for k, v in values.items() if v is not None}}
+
+
+def actor_seed(cfg, actor_id: int) -> int:
+    """The seed actor `actor_id` seeds torch, its envs and its sampling with (distinct per actor and run)."""
+    return cfg.trainer.seed * 100_003 + 1_000 * actor_id
 
 
 def group_seeds(cfg, actor_id: int, seq: int) -> list[int] | None:
