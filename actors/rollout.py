@@ -91,18 +91,13 @@ class Collector:
         rollout); when it says yes the partial rollout is abandoned and None returned.
         `refresh` (in-flight weight updates) is called before every step after the first; it may
         load newer weights into the policy and returns the version the next step acts with (None:
-        abandon the rollout). Each
-        step's ``policy_version`` is the version that chose its action.
+        abandon the rollout). Each step's ``policy_version`` is the version that chose its action.
 
         Returns ``(rollout, stats, index)``: the rollout aliases storage ``index``, which the
         caller must not let be refilled while it is still being sent.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
-        idx = self._next
-        self._next = (self._next + 1) % len(self._host)
-        out = self._dev if self._dev is not None else self._host[idx]
-        if reset_seeds is not None:
-            self.obs = self.env.reset(seed=reset_seeds).to(self.device)
+        idx, out = self._claim_storage(reset_seeds)
         obs_b, act_b, logp_b = out[keys.OBS], out[keys.ACTION], out[keys.LOG_PROB]
         ver_b = out[keys.POLICY_VERSION]
         rew_b, term_b, trunc_b = out[keys.REWARD], out[keys.TERMINATED], out[keys.TRUNCATED]
@@ -132,11 +127,7 @@ class Collector:
             stats.inference_s += te - ti
             stats.env_s += time.perf_counter() - te
             if step.reward.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
-                step = step._replace(obs=step.obs.to(self.device, non_blocking=True),
-                                     final_obs=step.final_obs.to(self.device, non_blocking=True),
-                                     reward=step.reward.to(self.device, non_blocking=True),
-                                     terminated=step.terminated.to(self.device, non_blocking=True),
-                                     truncated=step.truncated.to(self.device, non_blocking=True))
+                step = self._to_device(step)
             obs_b[:, t] = self.obs
             act_b[:, t] = action
             logp_b[:, t] = td[keys.LOG_PROB]
@@ -146,37 +137,70 @@ class Collector:
             term_b[:, t] = step.terminated
             trunc_b[:, t] = step.truncated
             if step.episode_returns:
-                stats.episode_returns += step.episode_returns
-                stats.episode_lengths += step.episode_lengths
-                stats.episode_successes += list(step.episode_successes)
-                stats.episode_metrics += list(step.episode_metrics)
-                trunc = step.truncated & ~step.terminated
-                if val_b is not None and bool(trunc.any()):
-                    # Truncated steps bootstrap from V(final observation), not from the reset
-                    # observation the env returned: that one belongs to the next episode.
-                    final = TensorDict({keys.OBS: step.final_obs[trunc]}, batch_size=[int(trunc.sum())])
-                    nval_b[trunc, t] = self.policy.get_value(final)
-                    if boot_b is not None:
-                        boot_b[trunc, t] = step.final_obs[trunc]
+                self._episodes_ended(step, t, stats, nval_b, boot_b)
             self.obs = step.obs
-        # V(s_{t+1}) for steps that did not end an episode: the next step's value, and for the
-        # last step the value of the observation after it.
+        self._finish_values(out, term_b, trunc_b, val_b, nval_b, boot_b)
+        if refresh is None:
+            ver_b.fill_(version)
+        self._to_host(out, idx)
+        self.env_steps += n * self.num_steps
+        stats.collect_s = time.perf_counter() - t0
+        stats.collect_cpu_s = time.thread_time() - c0
+        return self._host[idx], stats, idx
+
+    def _claim_storage(self, reset_seeds: list[int] | None) -> tuple[int, TensorDict]:
+        """The index of the storage this rollout fills and where it is assembled (that storage, or
+        the device-side one); with `reset_seeds`, every env is reset first with its seed."""
+        idx = self._next
+        self._next = (self._next + 1) % len(self._host)
+        out = self._dev if self._dev is not None else self._host[idx]
+        if reset_seeds is not None:
+            self.obs = self.env.reset(seed=reset_seeds).to(self.device)
+        return idx, out
+
+    def _to_device(self, step):
+        """`step`'s tensors on the policy's device (a CPU simulator with a GPU policy)."""
+        return step._replace(obs=step.obs.to(self.device, non_blocking=True),
+                             final_obs=step.final_obs.to(self.device, non_blocking=True),
+                             reward=step.reward.to(self.device, non_blocking=True),
+                             terminated=step.terminated.to(self.device, non_blocking=True),
+                             truncated=step.truncated.to(self.device, non_blocking=True))
+
+    def _episodes_ended(self, step, t: int, stats: RolloutStats, nval_b: torch.Tensor | None,
+                        boot_b: torch.Tensor | None) -> None:
+        """Step `t` ended episodes: their stats, and for truncated ones the value (and, with
+        bootstrap observations, the observation) to bootstrap from."""
+        stats.episode_returns += step.episode_returns
+        stats.episode_lengths += step.episode_lengths
+        stats.episode_successes += list(step.episode_successes)
+        stats.episode_metrics += list(step.episode_metrics)
+        trunc = step.truncated & ~step.terminated
+        if nval_b is not None and bool(trunc.any()):
+            # Truncated steps bootstrap from V(final observation), not from the reset
+            # observation the env returned: that one belongs to the next episode.
+            final = TensorDict({keys.OBS: step.final_obs[trunc]}, batch_size=[int(trunc.sum())])
+            nval_b[trunc, t] = self.policy.get_value(final)
+            if boot_b is not None:
+                boot_b[trunc, t] = step.final_obs[trunc]
+
+    def _finish_values(self, out: TensorDict, term_b: torch.Tensor, trunc_b: torch.Tensor,
+                       val_b: torch.Tensor | None, nval_b: torch.Tensor | None, boot_b: torch.Tensor | None) -> None:
+        """``done``, and V(s_{t+1}) for steps that did not end an episode: the next step's value,
+        and for the last step the value of the observation after it (kept too with bootstrap
+        observations)."""
         done_b = out[keys.DONE]
         torch.logical_or(term_b, trunc_b, out=done_b)
         if val_b is not None:
-            last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
+            last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[self.env.num_envs]))
             following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
             nval_b.copy_(torch.where(done_b, nval_b, following))
         if boot_b is not None:   # the observation after the last step, where that step did not end an episode
             open_end = ~done_b[:, -1]
             boot_b[open_end, -1] = self.obs[open_end]
-        if refresh is None:
-            ver_b.fill_(version)
+
+    def _to_host(self, out: TensorDict, idx: int) -> None:
+        """Copy a rollout assembled on the device into host storage `idx` (pinned), and wait for it."""
         if self._dev is not None:
             self._host[idx].update_(out, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-        self.env_steps += n * self.num_steps
-        stats.collect_s = time.perf_counter() - t0
-        stats.collect_cpu_s = time.thread_time() - c0
-        return self._host[idx], stats, idx

@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from learner.checkpoint import load_checkpoint, save_atomic
 from shared import keys, wire
-from shared.config import Config, config_from_dict
+from shared.config import Config, TrainerConfig, config_from_dict
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
 from shared.metrics import mean_metrics
@@ -326,6 +326,100 @@ class VideoRecorder:
             self._writer.close()
 
 
+def _is_int(x) -> bool:
+    """An int that is not a bool (what a message's version and env-step count must be)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _render_offscreen() -> None:
+    """Environment for rendering videos, set before the renderers are imported."""
+    if not os.environ.get("DISPLAY"):
+        os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
+    os.environ.setdefault("LP_NUM_THREADS", "1")    # Mesa's software rasteriser: one thread, not one per core
+
+
+def _load_weights(policy: torch.nn.Module, td, meta: dict, shm: ShmWeightsReader, device) -> bool:
+    """Load a weights message into `policy`. False where it is skipped: a torn shared-memory read
+    (the next version is evaluated instead) or weights that do not fit this policy (logged)."""
+    try:
+        return bool(load_published_(policy, td, meta, shm, device))
+    except Exception as e:   # weights that do not fit this policy: skip them, never die
+        log.warning("evaluator: could not load weights version %r: %s", meta.get("version"), e)
+        return False
+
+
+def _evaluate_recorded(policy: torch.nn.Module, env, t: TrainerConfig, video: VideoRecorder, count: int,
+                       final: bool, seed: int, version, steps: int
+                       ) -> tuple[list[float], list[int], list[bool], list[dict]]:
+    """Evaluation number `count` of the loaded weights, from `seed`, with its video where `video`
+    wants one: written at once, or its actions kept to render at the end. A renderer that fails
+    turns videos off for the run and the evaluation is redone without it. Returns the episode
+    returns, lengths and successes, and the env metrics."""
+    deferring = video.defers(count, final)
+    frames = video.buffers() if video.wants(count, final) and not deferring else None
+    actions: list | None = [] if deferring else None
+    per_env: dict[int, float] = {}
+    env_metrics: list[dict] = []
+    try:
+        returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
+                                               frames=frames, max_frames=t.video.max_frames,
+                                               frame_every=t.video.frame_every, metrics=env_metrics,
+                                               actions=actions, per_env=per_env)
+    except Exception as e:
+        if frames is None:
+            raise
+        # the renderer failed: say so, stop recording, and evaluate without it
+        log.warning("evaluator: rendering failed (%s: %s); videos are off for this run", type(e).__name__, e)
+        video.enabled, frames, env_metrics = False, None, []
+        returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
+                                               metrics=env_metrics)
+    if _is_int(version):   # it names the files
+        if frames:
+            video.write(frames, version, steps)
+        elif actions:
+            video.defer(seed, version, steps, actions, per_env)
+    return returns, lengths, successes, env_metrics
+
+
+def _evaluation_result(policy: torch.nn.Module, env, t: TrainerConfig, video: VideoRecorder, best: BestKeeper,
+                       meta: dict, *, count: int, final: bool, steps: int, token: str | None) -> dict:
+    """Evaluation number `count`, of the weights of message `meta` (loaded into `policy`), offered
+    to `best`. Returns the fields of the result message to the learner."""
+    t0 = time.perf_counter()
+    seed = eval_seed(t.seed, count, t.eval_seeds)
+    version = meta.get("version")
+    returns, lengths, successes, env_metrics = _evaluate_recorded(policy, env, t, video, count, final, seed,
+                                                                  version, steps)
+    kept = _is_int(version) and best.offer(policy, returns, successes, version=version, env_steps=steps, seed=seed)
+    return dict(kind="eval", sender="evaluator", token=token, version=version, env_steps=steps,
+                returns=returns, lengths=lengths, successes=successes, final=final,
+                metrics=mean_metrics(env_metrics),
+                eval_s=time.perf_counter() - t0,
+                **({"best": kept, "best_version": best.version, "best_score": best.score}
+                   if best.score is not None else {}),
+                **({"video_frames_pending": video.pending_frames()} if final else {}))
+
+
+def _send_final_again(push: RolloutPusher, last: dict, video: VideoRecorder, env) -> None:
+    """The final weights were evaluated already: send that result again, marked final, and render
+    the deferred videos."""
+    last["final"] = True
+    last["video_frames_pending"] = video.pending_frames()
+    push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
+    if video.deferred:
+        video.render_deferred(env)
+
+
+def _start_video(video: VideoRecorder, cfg: Config) -> None:
+    """With videos on: say when they are rendered, and lower this process's priority."""
+    if not video.enabled:
+        return
+    if video.when == "end":
+        log.info("evaluator: videos are rendered when training ends (trainer.video.when %r: %d CPUs for "
+                 "%d processes)", cfg.trainer.video.when, len(os.sched_getaffinity(0)), run_processes(cfg))
+    os.nice(19)   # rendering is slow: it must take CPU from training only when training leaves some
+
+
 def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent_pid: int,
                   curve: dict[str, str] | None = None, token: str | None = None, run_dir: str | None = None,
                   resume: bool = False) -> None:
@@ -337,19 +431,13 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
     cfg: Config = config_from_dict(cfg_dict, source=source)
     t = cfg.trainer
     if t.video.every > 0:
-        if not os.environ.get("DISPLAY"):
-            os.environ.setdefault("MUJOCO_GL", "egl")   # MuJoCo renders off-screen (before mujoco is imported)
-        os.environ.setdefault("LP_NUM_THREADS", "1")    # Mesa's software rasteriser: one thread, not one per core
+        _render_offscreen()
     env = make_env(cfg.env.id, t.num_eval_episodes, cfg.env.cfg, t.eval_device, render=t.video.every > 0,
                    tokenizer=instruction_tokenizer(cfg))
     policy = make_policy(cfg, env.spec).to(t.eval_device).eval()
     video = VideoRecorder(cfg, run_dir, env)
     best = BestKeeper(run_dir, t.keep_best, resume)
-    if video.enabled:
-        if video.when == "end":
-            log.info("evaluator: videos are rendered when training ends (trainer.video.when %r: %d CPUs for "
-                     "%d processes)", t.video.when, len(os.sched_getaffinity(0)), run_processes(cfg))
-        os.nice(19)   # rendering is slow: it must take CPU from training only when training leaves some
+    _start_video(video, cfg)
     ctx = zmq.Context()
     client = CurveClient.from_strings(curve) if curve is not None else None
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=client)
@@ -369,63 +457,22 @@ def run_evaluator(cfg_dict: dict, source: str, endpoints: dict[str, str], parent
                     continue  # the run is over for actors; the final weights follow
                 break
             steps = meta.get("env_steps", 0)
-            if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+            if not (_is_int(steps) and steps >= 0):
                 log.warning("evaluator: weights message with env_steps %r ignored", steps)
                 continue
             final = bool(meta.get("final"))
             if not (final or (t.eval_freq and steps >= next_eval)):
                 continue
             if final and last is not None and last["version"] == meta.get("version"):
-                last["final"] = True
-                last["video_frames_pending"] = video.pending_frames()
-                push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
-                if video.deferred:
-                    video.render_deferred(env)
+                _send_final_again(push, last, video, env)
                 continue
-            try:
-                if not load_published_(policy, td, meta, shm, t.eval_device):
-                    continue   # a torn shared-memory read: evaluate the next version instead
-            except Exception as e:   # weights that do not fit this policy: skip them, never die
-                log.warning("evaluator: could not load weights version %r: %s", meta.get("version"), e)
+            if not _load_weights(policy, td, meta, shm, t.eval_device):
                 continue
-            t0 = time.perf_counter()
-            deferring = video.defers(count, final)
-            frames = video.buffers() if video.wants(count, final) and not deferring else None
-            actions: list | None = [] if deferring else None
-            per_env: dict[int, float] = {}
-            env_metrics: list[dict] = []
-            seed = eval_seed(t.seed, count, t.eval_seeds)
-            try:
-                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
-                                                       frames=frames, max_frames=t.video.max_frames,
-                                                       frame_every=t.video.frame_every, metrics=env_metrics,
-                                                       actions=actions, per_env=per_env)
-            except Exception as e:
-                if frames is None:
-                    raise
-                # the renderer failed: say so, stop recording, and evaluate without it
-                log.warning("evaluator: rendering failed (%s: %s); videos are off for this run", type(e).__name__, e)
-                video.enabled, frames, env_metrics = False, None, []
-                returns, lengths, successes = evaluate(policy, env, t.num_eval_episodes, seed=seed,
-                                                       metrics=env_metrics)
-            version = meta.get("version")
-            if isinstance(version, int) and not isinstance(version, bool):   # it names the files
-                if frames:
-                    video.write(frames, version, steps)
-                elif actions:
-                    video.defer(seed, version, steps, actions, per_env)
-            kept = (isinstance(version, int) and not isinstance(version, bool)
-                    and best.offer(policy, returns, successes, version=version, env_steps=steps, seed=seed))
+            last = _evaluation_result(policy, env, t, video, best, meta, count=count, final=final, steps=steps,
+                                      token=token)
             count += 1
             if t.eval_freq:
                 next_eval = (steps // t.eval_freq + 1) * t.eval_freq
-            last = dict(kind="eval", sender="evaluator", token=token, version=meta.get("version"), env_steps=steps,
-                        returns=returns, lengths=lengths, successes=successes, final=final,
-                        metrics=mean_metrics(env_metrics),
-                        eval_s=time.perf_counter() - t0,
-                        **({"best": kept, "best_version": best.version, "best_score": best.score}
-                           if best.score is not None else {}),
-                        **({"video_frames_pending": video.pending_frames()} if final else {}))
             push.send(wire.encode(TensorDict({}, []), **last), timeout_ms=5000)
             if final and video.deferred:   # training is over: render what was kept for now
                 log.info("evaluator: rendering %d deferred evaluation videos", len(video.deferred))

@@ -36,18 +36,59 @@ def _backward(fn: LossFn, mb: TensorDictBase) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in out.items()}
 
 
+def _losses_backward(loss_fn: LossFn, mb: TensorDictBase, side_loss: tuple[Executor, LossFn] | None,
+                     threaded: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`loss_fn`'s losses on `mb` and, with `side_loss`, the side loss's (on its executor's thread
+    while this thread does `loss_fn`'s where `threaded`, else here after it), all back-propagated.
+    Returns every loss and metric, and the total loss."""
+    side = side_loss[0].submit(_backward, side_loss[1], mb) if threaded else None
+    try:
+        out = loss_fn(mb)
+        loss = _total(out)
+        loss.backward()
+    finally:
+        if side is not None:   # never leave the other thread writing gradients behind us
+            wait([side])
+    if side_loss is not None:
+        side_out = side.result() if side is not None else _backward(side_loss[1], mb)
+        out.update(side_out)
+        loss = loss.detach() + _total(side_out)
+    return out, loss
+
+
+def _kl_exceeded(epoch_kl: list[torch.Tensor], target_kl: float | None,
+                 sync_mean: Callable[[torch.Tensor], torch.Tensor] | None) -> bool:
+    """Whether an epoch's mean approx-KL passed `target_kl` (the early stop)."""
+    if target_kl is None or not epoch_kl:
+        return False
+    kl = torch.stack(epoch_kl).mean()
+    if sync_mean is not None:      # several learner ranks stop together, on the mean over ranks
+        kl = sync_mean(kl.detach().cpu().double())
+    return float(kl) > target_kl
+
+
 @dataclass
 class EpochHooks:
-    """What the epoch loop calls besides the loss, each optional (see :func:`run_epochs`).
+    """What the epoch loop (:func:`run_epochs`) calls besides the loss, each optional.
 
     Attributes:
         sync_mean: the mean over learner ranks (DDP), for the early stop on approx-KL.
-        after_step: after every optimiser step taken (the EWMA proximal policy moves there).
-        side_loss: ``(executor, fn)``, a second loss computed on the executor's thread.
-        side_when: before each minibatch, whether `side_loss` runs on its thread this time.
-        should_stop: after every minibatch; True ends the update there.
-        before_minibatch: before each minibatch's forward pass.
-        before_epoch: before every epoch after the first; returns the fields that epoch trains on.
+        after_step: called after every optimiser step taken (the EWMA proximal policy moves there).
+        side_loss: ``(executor, fn)``, a second loss over parameters disjoint from `loss_fn`'s
+            (PPO's critic), computed and back-propagated on the executor's thread while this thread
+            does `loss_fn`'s. The gradients are the same as one backward of the sum; the norm, the
+            clip and the step wait for both. With it, the result has ``side_share``: the share of
+            minibatches whose side loss ran on the executor's thread.
+        side_when: asked before each minibatch; where it says False the side loss runs on this
+            thread instead, after `loss_fn`'s backward (the same gradients, bit for bit).
+        should_stop: asked after every minibatch; True ends the update there (``stopped`` 1 in the
+            result), so that a stop signal is not held up by the rest of a long update. The steps
+            already taken stand, like an early stop on `target_kl` mid-epoch: no sample is used more
+            often than in a full update. Never with several ranks: every rank must take the same steps.
+        before_minibatch: called before each minibatch's forward pass (the learner sets its intra-op
+            threads there: ``learner.torch_threads`` "idle").
+        before_epoch: called before every epoch after the first; the fields it returns (the same
+            keys and lengths) replace `fields` from that epoch on.
     """
     sync_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
     after_step: Callable[[], None] | None = None
@@ -63,34 +104,16 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                target_kl: float | None, generator: torch.Generator, hooks: EpochHooks | None = None
                ) -> dict[str, float]:
     """`n_epochs` passes over the samples in `fields` (equal-length tensors), each sample used
-    exactly once per pass, in minibatches drawn with `generator`. The `hooks` are below.
+    exactly once per pass, in minibatches drawn with `generator`; the `hooks` are described at
+    :class:`EpochHooks`.
 
     `loss_fn(minibatch)` returns a dict: keys starting with ``loss_`` are summed and minimised, the
     rest (``approx_kl`` among them) are only averaged for logging. Returns those means, plus
     ``grad_norm``, ``epochs`` (fewer than `n_epochs` when `target_kl` stopped the update early),
-    ``steps`` (optimiser steps taken) and ``skipped_steps``: a minibatch whose loss or gradient norm
-    is not finite takes no optimiser step (the weights and Adam's moments stay as they were) and
-    is left out of the means. `after_step` runs after every optimiser step taken. With DDP the gradients are all-reduced in ``backward``, so every rank
-    sees the same norm and skips the same steps.
-
-    `side_loss` ``(executor, fn)``: a second loss over parameters disjoint from `loss_fn`'s (PPO's
-    critic), computed and back-propagated on the executor's thread while this thread does
-    `loss_fn`'s. The gradients are the same as one backward of the sum; the norm, the clip and the
-    step wait for both. `side_when`: asked before each minibatch; where it says False the side
-    loss runs on this thread instead, after `loss_fn`'s backward (the same gradients, bit for bit).
-    With `side_loss`, the result has ``side_share``: the share of minibatches whose side loss ran
-    on the executor's thread.
-
-    `should_stop`: asked after every minibatch; True ends the update there (``stopped`` 1 in the
-    result), so that a stop signal is not held up by the rest of a long update. The steps already
-    taken stand, like an early stop on `target_kl` mid-epoch: no sample is used more often than in
-    a full update. Never with several ranks: every rank must take the same steps.
-
-    `before_minibatch`: called before each minibatch's forward pass (the learner sets its intra-op
-    threads there: ``learner.torch_threads`` "idle").
-
-    `before_epoch`: called before every epoch after the first; the fields it returns (the same
-    keys and lengths) replace `fields` from that epoch on.
+    ``steps`` (optimiser steps taken), ``stopped`` and ``skipped_steps``: a minibatch whose loss or
+    gradient norm is not finite takes no optimiser step (the weights and Adam's moments stay as they
+    were) and is left out of the means. With DDP the gradients are all-reduced in ``backward``, so
+    every rank sees the same norm and skips the same steps.
     """
     h = hooks if hooks is not None else EpochHooks()
     sync_mean, after_step, side_loss, side_when = h.sync_mean, h.after_step, h.side_loss, h.side_when
@@ -119,19 +142,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                 before_minibatch()
             minibatches += 1
             threaded = side_loss is not None and (side_when is None or side_when())
-            side = side_loss[0].submit(_backward, side_loss[1], mb) if threaded else None
             on_side += threaded
-            try:
-                out = loss_fn(mb)
-                loss = _total(out)
-                loss.backward()
-            finally:
-                if side is not None:   # never leave the other thread writing gradients behind us
-                    wait([side])
-            if side_loss is not None:
-                side_out = side.result() if side is not None else _backward(side_loss[1], mb)
-                out.update(side_out)
-                loss = loss.detach() + _total(side_out)
+            out, loss = _losses_backward(loss_fn, mb, side_loss, threaded)
             # the total norm (and clipping, when on); inf or NaN if any gradient is
             out["grad_norm"] = nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
             if not bool(torch.isfinite(loss.detach() + out["grad_norm"])):   # one host sync per minibatch
@@ -145,14 +157,8 @@ def run_epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, fields: dict
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
             epoch_kl.append(out["approx_kl"])
             count += 1
-        if stopped:
+        if stopped or _kl_exceeded(epoch_kl, target_kl, sync_mean):
             break
-        if target_kl is not None and epoch_kl:
-            kl = torch.stack(epoch_kl).mean()
-            if sync_mean is not None:      # several learner ranks stop together, on the mean over ranks
-                kl = sync_mean(kl.detach().cpu().double())
-            if float(kl) > target_kl:
-                break
     result = {k: float(v) / max(count, 1) for k, v in sums.items()}
     result.update(epochs=epochs, steps=count, skipped_steps=skipped, stopped=int(stopped))
     if side_loss is not None:
