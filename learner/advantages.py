@@ -37,3 +37,27 @@ def compute_gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Ten
         running = delta[..., t] + discount[..., t] * running
         advantage[..., t] = running
     return advantage, advantage + value
+
+
+@torch.no_grad()
+def bootstrap_mask(terminated: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    """``[N, T]``: the steps whose ``V(s_{t+1})`` is not the next step's value in the rollout and is
+    not zero: truncated steps (the final observation) and the last step unless it terminated."""
+    last = torch.zeros_like(done, dtype=torch.bool)
+    last[..., -1] = True
+    return ~terminated.bool() & (done.bool() | last)
+
+
+@torch.no_grad()
+def current_values(value_now: torch.Tensor, next_value_sent: torch.Tensor, done: torch.Tensor,
+                   bootstrap_now: torch.Tensor | None = None, terminated: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """``V(s_{t+1})`` from the current critic's ``V(s_t)`` on ``[N, T]``: the next step's value
+    inside the rollout. After a done step and after the last step (whose next observation is not in
+    the rollout): `bootstrap_now` (the current critic on ``bootstrap_observation``) where given
+    (with `terminated`, at :func:`bootstrap_mask`), else the actor's ``next_value``."""
+    shifted = torch.cat([value_now[..., 1:], next_value_sent[..., -1:]], dim=-1)
+    out = torch.where(done.bool(), next_value_sent, shifted)
+    if bootstrap_now is not None:
+        out = torch.where(bootstrap_mask(terminated, done), bootstrap_now, out)
+    return out

@@ -72,3 +72,35 @@ def load_policy_tensors_(policy: torch.nn.Module, tensors: dict[str, torch.Tenso
         load_weights_(policy, TensorDict({tuple(k.split(".")): v for k, v in tensors.items()}, []))
     else:
         policy.load_state_dict(tensors)
+
+
+class Checkpoints:
+    """Where and when one learner saves: ``RUN_DIR/checkpoints``, every `save_freq` env steps (0:
+    only when asked). Its own state (the next step count to save at) goes into each checkpoint."""
+
+    def __init__(self, run_dir: Path | None, save_freq: int):
+        self.directory = Path(run_dir) / "checkpoints" if run_dir is not None else None
+        self.save_freq, self.next_save = save_freq, save_freq
+
+    def newest(self) -> Path:
+        found = list_checkpoints(self.directory) if self.directory is not None else []
+        if not found:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
+        return found[-1]
+
+    def save(self, state: dict[str, Any], version: int) -> Path | None:
+        return save_checkpoint(self.directory, state, version) if self.directory is not None else None
+
+    def due(self, env_steps: int) -> bool:
+        """Whether a checkpoint is due at `env_steps`."""
+        return bool(self.save_freq) and env_steps >= self.next_save
+
+    def saved_at(self, env_steps: int) -> None:
+        """A due checkpoint was written: the next one a period on."""
+        self.next_save = (env_steps // self.save_freq + 1) * self.save_freq
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_save": self.next_save}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_save = state["next_save"]

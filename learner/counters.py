@@ -6,6 +6,7 @@ adds what it trains on or drops, and readers take a consistent :meth:`RunCounter
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from typing import Any
@@ -14,6 +15,9 @@ COUNT_KEYS = ("rollouts", "dropped_lag", "overwritten", "dropped_other", "malfor
               "failed_updates", "updates_cut_short")
 DROP_KEYS = {"lag": "dropped_lag", "stale": "dropped_lag", "overwritten": "overwritten"}   # else dropped_other
 RECENT = 100   # episodes the train/ statistics average over
+MAX_FAILED_UPDATES = 10   # updates in a row with no finite optimiser step before the run stops
+
+log = logging.getLogger("tandem.learner")
 
 
 class RunCounters:
@@ -100,3 +104,30 @@ class RunCounters:
                     "finished_per_actor": list(self.finished_per_actor),
                     "steps_per_actor": list(self.steps_per_actor), "episodes": list(self.episodes),
                     "successes": list(self.successes), "metrics": list(self.metrics)}
+
+
+class SkippedSteps:
+    """Optimiser steps skipped for a non-finite loss or gradient, counted in `counters`. An update
+    that took no step at all still publishes (standard-mode actors wait for a new version), with the
+    same weights; only a run whose updates keep failing stops (:data:`MAX_FAILED_UPDATES` in a row),
+    with the reason."""
+
+    def __init__(self, counters: RunCounters):
+        self.counters, self.failed_in_a_row = counters, 0
+
+    def note(self, stats: dict[str, float], update: int, version: int) -> None:
+        """Update number `update` (from 1) gave `stats`; the learner was at `version`."""
+        skipped, steps = int(stats.get("skipped_steps", 0)), int(stats.get("steps", 0))
+        self.counters.count("skipped_steps", skipped)
+        if skipped:
+            log.warning("update %d: skipped %d of %d optimiser steps (non-finite loss or gradient); the weights "
+                        "stay as they were for those", update, skipped, skipped + steps)
+        failed = bool(skipped and not steps)
+        if failed:
+            self.counters.count("failed_updates")
+        self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+        if self.failed_in_a_row >= MAX_FAILED_UPDATES:
+            raise FloatingPointError(
+                f"{self.failed_in_a_row} updates in a row took no optimiser step: every minibatch had a non-finite "
+                f"loss or gradient (version {version}). The data or the config (learning_rate, clip_coef, "
+                f"max_grad_norm, reward scale) is breaking the update; the last good weights are in the checkpoints.")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -106,8 +107,17 @@ class CpuThreads:
         self.idle_threads = idle_threads(cfg)
         self._minibatches = self._wide_minibatches = 0
 
-    def start_update(self) -> None:
+    @contextmanager
+    def update(self):
+        """Around one update: yields the ``before_minibatch`` hook (None unless ``torch_threads``
+        is "idle"), and leaves one intra-op thread behind, so the actors may collect again."""
         self._minibatches = self._wide_minibatches = 0
+        widen = self.before_minibatch if self.idle_threads is not None else None
+        try:
+            yield widen
+        finally:
+            if widen is not None and torch.get_num_threads() != 1:
+                torch.set_num_threads(1)
 
     def before_minibatch(self) -> None:
         """``learner.torch_threads`` "idle": every usable core while the next batch already waits,

@@ -19,15 +19,16 @@ policy (the initial weights: from scratch ``kl_coef = 0``, fine-tuning ~0.02).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio, run_epochs
 from shared import keys
+from shared.keys import MASK
 from shared.config import GRPO_EPISODE_NEEDS_TRUNCATION, GRPOConfig
-
-MASK = "mask"   # learner-side: which steps take part in the update
 
 
 @torch.no_grad()
@@ -123,10 +124,9 @@ def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[st
 
 def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torch.optim.Optimizer,
                 batch: TensorDictBase, cfg: GRPOConfig, generator: torch.Generator,
-                sync_mean=None, should_stop=None, before_minibatch=None) -> dict[str, float]:
+                hooks: EpochHooks | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over the unmasked steps of `batch` (``[B, T]``
-    with ``advantage`` and ``mask``). `should_stop`, `before_minibatch`: see
-    :func:`learner.minibatch.run_epochs`."""
+    with ``advantage`` and ``mask``). `hooks`: see :class:`learner.minibatch.EpochHooks`."""
     b = batch.reshape(-1)
     keep = b[MASK].nonzero().squeeze(-1)
     fields = {k: b.get(k)[keep] for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.ADVANTAGE)}
@@ -135,7 +135,54 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
         with torch.no_grad():
             fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
     result = run_epochs(policy, optimizer, fields, lambda mb: grpo_loss(policy, mb, cfg), cfg.n_epochs,
-                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator,
-                        EpochHooks(sync_mean=sync_mean, should_stop=should_stop, before_minibatch=before_minibatch))
+                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, hooks)
     result["samples"] = n
     return result
+
+
+class GRPO:
+    """GRPO as the learner runs it (the same interface as :class:`learner.ppo.PPO`): group-relative
+    advantages in :meth:`prepare`, the clipped update in :meth:`update`, and the frozen reference
+    policy of the KL penalty in :meth:`state_dict`.
+
+    Args:
+        cfg: ``algorithm.cfg``.
+        policy, optimizer, generator: the learner's (the generator orders the minibatches).
+        make_reference: builds a fresh policy of the same architecture (for the KL reference).
+    """
+    name = "grpo"
+
+    def __init__(self, cfg: GRPOConfig, policy: nn.Module, optimizer: torch.optim.Optimizer,
+                 generator: torch.Generator, make_reference: Callable[[], nn.Module]):
+        self.cfg, self.optimizer, self.generator = cfg, optimizer, generator
+        # The KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
+        self.ref_policy = None
+        if cfg.kl_coef > 0:
+            self.ref_policy = make_reference().eval().requires_grad_(False)
+            self.ref_policy.load_state_dict(policy.state_dict())
+
+    def observe(self, actor: int, reward: torch.Tensor, done: torch.Tensor) -> None:
+        """GRPO keeps no running reward statistics."""
+
+    def reward_std(self, all_reduce=None) -> None:
+        return None
+
+    def prepare(self, batch: TensorDictBase, lags: torch.Tensor, reward_std: float | None = None) -> dict[str, float]:
+        """Group-relative advantages and the mask of the steps that take part, on `batch` ``[B, T]``."""
+        c = self.cfg
+        adv, mask = grpo_advantages(batch[keys.REWARD], batch[keys.DONE], c.group_size, c.gamma, c.eps,
+                                    c.truncate_at_first_done, c.scale_by_std, baseline=c.baseline,
+                                    loss_mean=c.loss_mean)
+        batch.set(keys.ADVANTAGE, adv)
+        batch.set(MASK, mask)
+        return {}
+
+    def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:
+        return grpo_update(policy, self.ref_policy, self.optimizer, batch, self.cfg, self.generator, hooks)
+
+    def state_dict(self) -> dict:
+        return {"ref_policy": self.ref_policy.state_dict() if self.ref_policy is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ref_policy is not None and state.get("ref_policy") is not None:
+            self.ref_policy.load_state_dict(state["ref_policy"])

@@ -1,4 +1,5 @@
-"""PPO update (clipped surrogate, value loss, entropy bonus), CleanRL-style, top to bottom.
+"""PPO (clipped surrogate, value loss, entropy bonus), CleanRL-style, top to bottom, and :class:`PPO`,
+the algorithm object the learner holds.
 
 Input is a batch of rollouts that already carry ``advantage`` and ``value_target``. The minibatch
 order comes from the learner's own ``torch.Generator``, so an update is a pure function of
@@ -8,17 +9,20 @@ order comes from the learner's own ``torch.Generator``, so an update is a pure f
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from dataclasses import replace
 from typing import Callable
 
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from learner.grpo import MASK
+from learner.corrections import CurrentPolicy, make_correction
 from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio, run_epochs
-from learner.vtrace import EWMAProximal
+from learner.proximal import EWMAProximal, ewma_decay_for
 from shared import keys
+from shared.keys import MASK
 from shared.config import PPOConfig
+from shared.policies.normalization import RewardScaler
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -104,25 +108,23 @@ def _value_terms(mb: TensorDictBase, cfg: PPOConfig, new_value: torch.Tensor) ->
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, cfg: PPOConfig,
-               generator: torch.Generator, sync_mean=None, renormalize: bool = True,
+               generator: torch.Generator, hooks: EpochHooks | None = None, renormalize: bool = True,
                proximal: EWMAProximal | None = None, critic_thread: Executor | None = None,
-               critic_when: Callable[[], bool] | None = None,
-               should_stop: Callable[[], bool] | None = None,
-               before_minibatch: Callable[[], None] | None = None,
                refresh: Callable[[], object] | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
     minibatches, plus ``epochs`` (fewer than ``n_epochs`` when ``target_kl`` stopped early).
-    `renormalize` and `proximal`: see :func:`ppo_loss`; the EWMA moves after every optimiser step.
-    `critic_thread` (a policy with ``evaluate_actor`` and ``get_value`` over disjoint parameters):
-    each minibatch's value loss is computed and back-propagated on that thread while this one does
-    the policy loss; the gradients, and so the update, are the same as without it. `critic_when`:
-    asked before each minibatch; where it says False that minibatch's value loss runs on this thread
-    (``side_share`` in the result: the share that ran on `critic_thread`). `should_stop`,
-    `before_minibatch`: see :func:`learner.minibatch.run_epochs`. `refresh`: called before every
-    epoch after the first; it rewrites fields of `batch` (``advantages_every: epoch``), which that
-    epoch then trains on.
+    `hooks`: the epoch loop's (:class:`learner.minibatch.EpochHooks`: ``sync_mean``,
+    ``should_stop``, ``before_minibatch``, ``side_when``); this function adds its own ``after_step``,
+    ``side_loss`` and ``before_epoch``. `renormalize` and `proximal`: see :func:`ppo_loss`; the EWMA
+    moves after every optimiser step. `critic_thread` (a policy with ``evaluate_actor`` and
+    ``get_value`` over disjoint parameters): each minibatch's value loss is computed and
+    back-propagated on that thread while this one does the policy loss; the gradients, and so the
+    update, are the same as without it (``hooks.side_when`` False: that minibatch's value loss runs
+    on this thread; ``side_share`` in the result: the share that ran on `critic_thread`).
+    `refresh`: called before every epoch after the first; it rewrites fields of `batch`
+    (``advantages_every: epoch``), which that epoch then trains on.
     """
     def read_fields() -> dict[str, torch.Tensor]:
         b = batch.reshape(-1)
@@ -140,9 +142,9 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
         side = (critic_thread, lambda mb: ppo_critic_loss(policy, mb, cfg))
     else:
         loss_fn, side = (lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn)), None  # noqa: E731
-    hooks = EpochHooks(sync_mean=sync_mean, after_step=proximal.step if proximal is not None else None,
-                       side_loss=side, side_when=critic_when, should_stop=should_stop,
-                       before_minibatch=before_minibatch, before_epoch=refreshed if refresh is not None else None)
+    given = hooks if hooks is not None else EpochHooks()
+    hooks = replace(given, after_step=proximal.step if proximal is not None else None, side_loss=side,
+                    before_epoch=refreshed if refresh is not None else None)
     result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
                         cfg.target_kl, generator, hooks)
     b = batch.reshape(-1)
@@ -151,3 +153,73 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
         var_y = y.var()
         result["explained_variance"] = float(1 - (y - v).var() / var_y) if var_y > 0 else float("nan")
     return result
+
+
+class PPO:
+    """PPO as the learner runs it: :meth:`prepare` sets a batch's advantages and value targets
+    with the configured off-policy correction (``learner/corrections.py``), :meth:`update` trains on
+    it, and :meth:`state_dict` holds what a resume needs besides the policy and the optimiser.
+
+    Args:
+        cfg: ``algorithm.cfg``.
+        policy, optimizer, generator: the learner's (the generator orders the minibatches).
+        device: the learner's device.
+        steps_per_update: optimiser steps in one update (the ``ewma`` correction's default decay).
+        count: ``count(name, n)`` adds to a run counter (the ``mask`` correction's dropped samples).
+        critic_thread: an executor for the value loss (``learner.critic_thread``), or None.
+    """
+    name = "ppo"
+
+    def __init__(self, cfg: PPOConfig, policy: nn.Module, optimizer: torch.optim.Optimizer,
+                 generator: torch.Generator, device: torch.device, steps_per_update: int,
+                 count: Callable[[str, int], None], critic_thread: Executor | None = None):
+        self.cfg, self.policy, self.optimizer, self.generator = cfg, policy, optimizer, generator
+        self.critic_thread = critic_thread
+        self.ewma = None   # the ewma correction's proximal policy
+        if cfg.correction == "ewma":
+            decay = cfg.ewma_decay if cfg.ewma_decay is not None else ewma_decay_for(steps_per_update)
+            self.ewma = EWMAProximal(policy, decay)
+        self.reward_scaler = RewardScaler(cfg.gamma) if cfg.normalize_reward else None
+        self.correction = make_correction(cfg, CurrentPolicy(policy, device), count)
+        self._renormalize, self._refresh = True, None
+
+    def observe(self, actor: int, reward: torch.Tensor, done: torch.Tensor) -> None:
+        """A received rollout's rewards (any thread): the reward scaler's running statistics."""
+        if self.reward_scaler is not None:
+            self.reward_scaler.observe(actor, reward, done)
+
+    def reward_std(self, all_reduce=None) -> float | None:
+        """The std this update will scale rewards by (None: rewards are not scaled)."""
+        return self.reward_scaler.std(all_reduce) if self.reward_scaler is not None else None
+
+    def prepare(self, batch: TensorDictBase, lags: torch.Tensor, reward_std: float | None = None) -> dict[str, float]:
+        """Advantages and value targets on `batch` ``[B, T]``, whose samples are `lags` versions old."""
+        reward = batch[keys.REWARD]
+        if self.reward_scaler is not None:
+            reward = self.reward_scaler.scale_by(reward, reward_std)
+        stale = bool(lags.max() > 0)
+        self._refresh = None
+        if self.correction.refreshes(stale):
+            mu = batch[keys.LOG_PROB].clone()
+            self._refresh = lambda: self.correction(batch, reward, stale, behaviour=mu)  # noqa: E731
+        stats, self._renormalize = self.correction(batch, reward, stale)
+        return stats
+
+    def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:
+        """The epochs over a prepared `batch`; `policy` is the learner's, or its DDP wrapper."""
+        return ppo_update(policy, self.optimizer, batch, self.cfg, self.generator, hooks=hooks,
+                          renormalize=self._renormalize, proximal=self.ewma, critic_thread=self.critic_thread,
+                          refresh=self._refresh)
+
+    def state_dict(self) -> dict:
+        return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
+                "ewma": self.ewma.state_dict() if self.ewma is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ewma is not None:
+            if state.get("ewma") is not None:
+                self.ewma.load_state_dict(state["ewma"])
+            else:   # a checkpoint from a run without ewma: the average starts at the resumed weights
+                self.ewma = EWMAProximal(self.policy, self.ewma.decay)
+        if self.reward_scaler is not None and state.get("reward_scaler") is not None:
+            self.reward_scaler.load_state_dict(state["reward_scaler"])

@@ -409,7 +409,7 @@ def _agree(learner: Learner, ranks, have_batch: bool, stop: bool) -> tuple[bool,
     the run stop (a signal on any rank, or the ranks' env steps together reach total_steps), and the
     other ranks' counters (env steps, per-actor consumed counts: rank 0 publishes the totals)."""
     local_steps = learner.env_steps
-    with learner._lock:
+    with learner.stats.lock:
         finished = list(learner.finished_per_actor)
     rows = ranks.all_gather_ints([int(have_batch), int(stop), local_steps, *finished])
     total = sum(r[2] for r in rows)

@@ -101,6 +101,28 @@ class UpdateLog:
                 self.logger.histogram("sync/delay_s", torch.tensor(delays), env_steps)
         return values
 
+    def rollout_event(self, event: str, info: dict, version: int, **extra: Any) -> None:
+        """One ``versions.jsonl`` line for a rollout consumed or dropped at learner `version`: the
+        lag of every sample at this moment (exact histogram, min, mean, max), and the rollout's
+        episode statistics (for the drop bias)."""
+        if self.logger is None:
+            return
+        hist = [[version - v, c] for v, c in info["version_counts"]]
+        total = sum(c for _, c in hist)
+        self.logger.versions.write(event=event, time=time.time(), actor=info["actor"], seq=info["seq"],
+                                   policy_version=info["policy_version"], learner_version=version,
+                                   lag=version - info["policy_version"], lag_min=version - info["policy_version_max"],
+                                   lag_mean=sum(lag * c for lag, c in hist) / max(total, 1), lag_hist=hist,
+                                   env_steps=info["env_steps"], episodes=info["episodes"],
+                                   episode_length_mean=info["episode_length_mean"], received=info["received"],
+                                   sent=info["sent"], **extra)
+
+    def published(self, event: str, version: int, env_steps: int, updates: int, incarnation: str) -> None:
+        """One ``versions.jsonl`` line for a version published."""
+        if self.logger is not None:
+            self.logger.versions.write(event=event, version=version, time=time.time(), env_steps=env_steps,
+                                       updates=updates, incarnation=incarnation)
+
     def evaluation(self, meta: dict) -> None:
         """One evaluation result (checked by ``learner/ingest.py``): ``eval/`` scalars, logged once per version."""
         if self.last_eval is not None and meta.get("version") == self.last_eval["version"]:

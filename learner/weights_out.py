@@ -30,6 +30,21 @@ class Publisher(Protocol):
     def send_control(self, **meta: Any) -> None: ...
 
 
+class ListPublisher:
+    """In-process publisher for tests: keeps every (weights, meta) it was given (weights cloned), and
+    control messages (stop, credit) apart, as the socket does (they never replace the weights)."""
+
+    def __init__(self):
+        self.published: list[tuple[TensorDictBase, dict]] = []
+        self.controls: list[dict] = []
+
+    def publish(self, td: TensorDictBase, **meta: Any) -> None:
+        self.published.append((td.clone(), meta))
+
+    def send_control(self, **meta: Any) -> None:
+        self.controls.append(meta)
+
+
 class WeightsOut:
     """Publishes `policy`'s trained tensors as versioned weights messages.
 

@@ -242,7 +242,7 @@ class LearnerConfig:
     mode), so the update takes the other cores only when collection leaves them idle; it excludes
     critic_thread. More threads may sum in another order, so the update is not the same to the bit.
     The default is 1: for MLPs of a few hundred units more threads pay on some CPUs and not on
-    others (benchmarks/README.md). Larger models on many cores want auto or a number."""
+    others (docs/results/vs_sb3_halfcheetah.md). Larger models on many cores want auto or a number."""
     critic_thread: Union[bool, Literal["auto", "idle"]] = False
     """PPO with policy.name "actor_critic" on one learner rank: each minibatch's value loss and its
     backward run on a second thread while the first does the policy loss. The actor and the critic
@@ -410,7 +410,7 @@ class PPOConfig(ClippedPGConfig):
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
     correction: Literal["none", "is", "vtrace", "appo", "ewma", "mask"] = "none"
-    """Off-policy correction for stale data; ``learner/vtrace.py`` says when to use which.
+    """Off-policy correction for stale data; ``learner/corrections.py`` says when to use which.
     none: PPO's ratio on the behaviour log-prob mu. is: decoupled PPO, the clip centred on the
     policy at the start of the update, advantages weighted by min(rho_bar, pi/mu). vtrace: is, with
     IMPALA's V-trace value targets and advantages. appo: Sample Factory's APPO, PPO's clip on pi/mu

@@ -1,4 +1,4 @@
-"""The off-policy corrections inside the learner (learner/vtrace.py, learner/ppo.py): advantages
+"""The off-policy corrections inside the learner (learner/corrections.py, learner/ppo.py): advantages
 normalised once per batch before any weight, recompute_values honoured for every correction, the
 rho_bar defaults, APPO's targets, the EWMA proximal policy's update rule, masked samples, and
 rollouts from before the bootstrap observation existed."""
@@ -10,11 +10,13 @@ import torch
 from tensordict import TensorDict
 
 from learner.advantages import compute_gae
-from learner.grpo import MASK
+from learner.corrections import CurrentPolicy, make_correction
 from learner.minibatch import log_ratio
 from learner.ppo import ppo_loss
-from learner.vtrace import EWMAProximal, ewma_decay_for, vtrace
+from learner.proximal import EWMAProximal, ewma_decay_for
+from learner.vtrace import vtrace
 from shared import keys
+from shared.keys import MASK
 from shared.config import PPOConfig
 from shared.policies import make_policy
 from tests.test_staleness import _rollout, _vla_learner
@@ -22,7 +24,7 @@ from tests.test_staleness import _rollout, _vla_learner
 
 def _stale_update(tmp_path, monkeypatch, lag=3, **algo):
     """A learner `lag` versions past a rollout acted by version 0; returns what ppo_update got."""
-    import learner.learner as learner_module
+    import learner.ppo as ppo_module
     cfg, learner = _vla_learner(tmp_path, **algo)
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
     td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
@@ -30,15 +32,15 @@ def _stale_update(tmp_path, monkeypatch, lag=3, **algo):
         learner.ingest(td.clone(), meta)
         learner.update_once(*learner.take_batch(timeout_s=0))
     seen = {}
-    real = learner_module.ppo_update
+    real = ppo_module.ppo_update
 
-    def spy(policy, optimizer, batch, cfg_, generator, sync_mean=None, **kwargs):
+    def spy(policy, optimizer, batch, cfg_, generator, **kwargs):
         seen["batch"], seen["kwargs"] = batch.clone(), kwargs
-        return real(policy, optimizer, batch, cfg_, generator, sync_mean=sync_mean, **kwargs)
+        return real(policy, optimizer, batch, cfg_, generator, **kwargs)
 
     with torch.no_grad():
         logp_now, _, v_now = learner.policy.evaluate_actions(td.reshape(-1))
-    monkeypatch.setattr(learner_module, "ppo_update", spy)
+    monkeypatch.setattr(ppo_module, "ppo_update", spy)
     learner.ingest(td.clone(), meta)
     stats = learner.update_once(*learner.take_batch(timeout_s=0))
     return cfg, learner, td, logp_now.view(n, t), v_now.view(n, t), seen, stats
@@ -107,12 +109,13 @@ def test_appo_targets_are_vtrace_and_its_clip_is_anchored_on_the_behaviour_polic
     for _ in range(3):                              # the rollout is now 3 versions old
         learner.ingest(td.clone(), meta)
         learner.update_once(*learner.take_batch(timeout_s=0))
-    out = {}
-    learner.algo.vtrace_advantage = "gae"          # one advantage form for both (defaults differ per correction)
+    out, a = {}, cfg.algorithm.cfg
+    a.vtrace_advantage = "gae"          # one advantage form for both (defaults differ per correction)
     for corr, weight in (("vtrace", True), ("appo", True), ("appo_unweighted", False)):
-        learner.algo.correction, learner.algo.appo_rho_weight = corr.split("_")[0], weight
+        a.correction, a.appo_rho_weight = corr.split("_")[0], weight
+        correction = make_correction(a, CurrentPolicy(learner.policy, learner.device), learner.stats.count)
         flat = td.clone()
-        stats, renormalize = learner._correct_and_advantages(flat, flat[keys.REWARD], stale=True)
+        stats, renormalize = correction(flat, flat[keys.REWARD], stale=True)
         out[corr] = (flat, stats, renormalize)
     (v, stats_v, renorm_v), (a, stats_a, renorm_a) = out["vtrace"], out["appo"]
     torch.testing.assert_close(a[keys.VALUE_TARGET], v[keys.VALUE_TARGET])
@@ -226,12 +229,12 @@ def test_ewma_default_decay_matches_plain_ppos_proximal_age():
 
 def test_ewma_run_moves_the_average_every_optimiser_step(tmp_path, monkeypatch):
     cfg, learner, *_ , stats = _stale_update(tmp_path, monkeypatch, lag=1, correction="ewma")
-    assert learner.ewma is not None
+    assert learner.algorithm.ewma is not None
     steps = cfg.algorithm.cfg.n_epochs * -(-cfg.actors.num_envs * cfg.trainer.buffer_size // cfg.algorithm.cfg.batch_size)
-    assert learner.ewma.decay == pytest.approx(ewma_decay_for(steps))
+    assert learner.algorithm.ewma.decay == pytest.approx(ewma_decay_for(steps))
     assert 0 < stats["prox_weight_mean"]
     live = dict(learner.policy.named_parameters())
-    moved = [not torch.equal(t, live[n.removeprefix("policy.")]) for n, t in learner.ewma.tensors.items()]
+    moved = [not torch.equal(t, live[n.removeprefix("policy.")]) for n, t in learner.algorithm.ewma.tensors.items()]
     assert any(moved)                              # an average of past weights, not the live ones
 
 
@@ -278,8 +281,8 @@ def test_mask_correction_drops_and_counts_samples_outside_the_band(tmp_path, mon
 def test_a_rollout_without_a_bootstrap_observation_keeps_the_actors_bootstrap(tmp_path, monkeypatch):
     """Recordings from before ``bootstrap_observation`` existed still train (and replay): the bootstrap
     after a truncation or the last step is then the actor's next_value, as it used to be."""
-    import learner.learner as learner_module
-    from learner.vtrace import current_values
+    import learner.ppo as ppo_module
+    from learner.advantages import current_values
     cfg, learner = _vla_learner(tmp_path, correction="is")
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
     td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
@@ -290,13 +293,13 @@ def test_a_rollout_without_a_bootstrap_observation_keeps_the_actors_bootstrap(tm
     with torch.no_grad():
         v_now = learner.policy.evaluate_actions(old.reshape(-1))[2].view(n, t)
     seen = {}
-    real = learner_module.ppo_update
+    real = ppo_module.ppo_update
 
-    def spy(policy, optimizer, batch, cfg_, generator, sync_mean=None, **kwargs):
+    def spy(policy, optimizer, batch, cfg_, generator, **kwargs):
         seen["target"] = batch[keys.VALUE_TARGET].clone()
-        return real(policy, optimizer, batch, cfg_, generator, sync_mean=sync_mean, **kwargs)
+        return real(policy, optimizer, batch, cfg_, generator, **kwargs)
 
-    monkeypatch.setattr(learner_module, "ppo_update", spy)
+    monkeypatch.setattr(ppo_module, "ppo_update", spy)
     stats = learner.update_once(old.unsqueeze(0), [_info(meta, old)])
     a = cfg.algorithm.cfg
     expected = compute_gae(old[keys.REWARD], v_now, current_values(v_now, old[keys.NEXT_VALUE], old[keys.DONE]),
@@ -353,23 +356,23 @@ def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_an
     """advantages_every: epoch: one recomputation per later epoch, against the behaviour log-prob
     as it arrived, with the anchor of the ratio left as the first computation set it; appo's
     weights follow the live policy, is keeps the proximal one as its target."""
-    import learner.learner as learner_module
+    from learner.corrections import Correction
     cfg, learner, td, meta = _epoch_refreshing_learner(tmp_path, correction)
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
     calls = []
-    real = learner_module.Learner._correct_and_advantages
+    real = Correction.__call__
 
     def spy(self, flat, reward, stale, behaviour=None):
         with torch.no_grad():
-            logp, _, value = self.policy.evaluate_actions(flat.reshape(-1))
-        anchor, boot = flat[keys.LOG_PROB].clone(), self._bootstrap_values(flat)
+            logp, _, value = self.now.policy.evaluate_actions(flat.reshape(-1))
+        anchor, boot = flat[keys.LOG_PROB].clone(), self.now.bootstraps(flat)
         out = real(self, flat, reward, stale, behaviour=behaviour)
         calls.append({"behaviour": behaviour, "reward": reward.clone(), "boot": boot, "anchor_before": anchor, "anchor_after": flat[keys.LOG_PROB].clone(),
                       "logp": logp.view(n, t), "value": value.view(n, t), "value_set": flat[keys.VALUE].clone(),
                       "adv": flat[keys.ADVANTAGE].clone()})
         return out
 
-    monkeypatch.setattr(learner_module.Learner, "_correct_and_advantages", spy)
+    monkeypatch.setattr(Correction, "__call__", spy)
     learner.ingest(td.clone(), meta)
     learner.update_once(*learner.take_batch(timeout_s=0))
     assert len(calls) == 3                                  # the update's start, then before epochs 2 and 3
@@ -384,7 +387,7 @@ def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_an
     if correction == "appo":   # the weight min(1, pi/mu) with the live pi: recomputed by hand
         a = cfg.algorithm.cfg
         c = later[-1]
-        from learner.vtrace import current_values
+        from learner.advantages import current_values
         next_now = current_values(c["value"], td[keys.NEXT_VALUE], td[keys.DONE], c["boot"], td[keys.TERMINATED])
         _, adv, _ = vtrace(td[keys.LOG_PROB], c["logp"], c["reward"], c["value"], next_now,
                            td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
@@ -397,19 +400,19 @@ def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_an
 def test_advantages_every_epoch_runs_the_policy_only_where_its_log_prob_is_used(tmp_path, monkeypatch, correction):
     """On a refresh, is / vtrace / mask keep the proximal log-prob, so only the critic runs; appo's
     weights need the live policy's log-prob, so the whole policy runs."""
-    import learner.learner as learner_module
+    from learner.corrections import CurrentPolicy
     _, learner, td, meta = _epoch_refreshing_learner(tmp_path, correction)
     seen = []
-    for name in ("_evaluate_now", "_values_now"):
-        real = getattr(learner_module.Learner, name)
-        monkeypatch.setattr(learner_module.Learner, name,
+    for name in ("evaluate", "values"):
+        real = getattr(CurrentPolicy, name)
+        monkeypatch.setattr(CurrentPolicy, name,
                             lambda self, flat, _real=real, _name=name: seen.append(_name) or _real(self, flat))
     learner.ingest(td.clone(), meta)
     learner.update_once(*learner.take_batch(timeout_s=0))
     if correction == "appo":
-        assert seen == ["_evaluate_now"] * 3
+        assert seen == ["evaluate"] * 3
     else:                                                   # the update's start, then the critic before epochs 2, 3
-        assert seen == ["_evaluate_now", "_values_now", "_values_now"]
+        assert seen == ["evaluate", "values", "values"]
 
 
 def test_advantages_every_epoch_with_one_epoch_is_the_same_update(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from learner.minibatch import EpochHooks
 from learner.ppo import ppo_loss, ppo_update
 from shared import keys
 from shared.config import PPOConfig
@@ -100,7 +101,7 @@ def test_stop_request_cuts_the_update_short_between_minibatches():
     cfg = PPOConfig(n_epochs=3, batch_size=4, learning_rate=1e-3)
     stats = ppo_update(policy, torch.optim.SGD(policy.parameters(), lr=0.0),
                        batch([0.0] * n, [1.0] * n, [0.0] * n, [0.0] * n), cfg, torch.Generator().manual_seed(0),
-                       should_stop=stop_on_fifth_ask)
+                       EpochHooks(should_stop=stop_on_fifth_ask))
     # asked before every minibatch but the first: minibatches 2..6 -> the 6th is never taken
     assert len(policy.seen) == 5 and stats["steps"] == 5
     assert stats["stopped"] == 1 and stats["epochs"] == 2
@@ -110,7 +111,7 @@ def test_stop_request_cuts_the_update_short_between_minibatches():
     never = FixedPolicy(torch.zeros(n), torch.zeros(n), torch.zeros(n))
     stats = ppo_update(never, torch.optim.SGD(never.parameters(), lr=0.0),
                        batch([0.0] * n, [1.0] * n, [0.0] * n, [0.0] * n), cfg, torch.Generator().manual_seed(0),
-                       should_stop=lambda: False)
+                       EpochHooks(should_stop=lambda: False))
     assert stats["stopped"] == 0 and stats["epochs"] == 3 and len(never.seen) == 9
 
 
@@ -129,7 +130,7 @@ def _actor_critic_batch(n: int, seed: int, with_mask: bool):
                      keys.LOG_PROB: torch.randn(n, generator=g) - 2, keys.ADVANTAGE: torch.randn(n, generator=g),
                      keys.VALUE: torch.randn(n, generator=g), keys.VALUE_TARGET: torch.randn(n, generator=g)}, [n])
     if with_mask:
-        from learner.grpo import MASK
+        from shared.keys import MASK
         td.set(MASK, torch.rand(n, generator=g) > 0.3)
     return cfg, policy, td
 
@@ -146,7 +147,7 @@ def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_ma
     from concurrent.futures import ThreadPoolExecutor
 
     from learner.learner import make_optimizer
-    from learner.vtrace import EWMAProximal
+    from learner.proximal import EWMAProximal
     results = []
     for threaded in (False, True):
         when = itertools.cycle([True, False, False]).__next__ if threaded and gated else None
@@ -158,7 +159,7 @@ def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_ma
         pool = ThreadPoolExecutor(1) if threaded else None
         try:
             stats = ppo_update(policy, opt, td, a, torch.Generator().manual_seed(0), renormalize=correction == "none",
-                               proximal=prox, critic_thread=pool, critic_when=when)
+                               proximal=prox, critic_thread=pool, hooks=EpochHooks(side_when=when))
         finally:
             if pool is not None:
                 pool.shutdown()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from learner.advantages import compute_gae
-from learner.vtrace import current_values, vtrace
+from learner.advantages import current_values
+from learner.vtrace import vtrace
 
 
 def _random_rollout(n=5, t=12, seed=0, p_term=0.1, p_trunc=0.08):
