@@ -1,5 +1,6 @@
-"""The manual stays true: README under 200 lines with its two commands first, every tag the learner logs
-named in docs/metrics.md, and every relative link in README.md and docs/ pointing at a file that exists."""
+"""The manual stays true: README under 200 lines with its two commands first and its headline results table
+rebuilt from docs/results/*.json, every tag the learner logs named in docs/metrics.md, and every relative
+link in README.md, docs/ and benchmarks/README.md pointing at a file that exists."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_readme_is_a_short_manual_with_the_two_commands_first():
 
 def test_relative_links_point_at_files_that_exist():
     broken = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+    for page in [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             if re.match(r"^(https?:|mailto:|#)", target):
                 continue
@@ -73,3 +74,52 @@ def test_a_result_file_missing_its_provenance_is_refused(tmp_path):
         assert "x.json: missing ['commit']" in str(e)
     else:
         raise AssertionError("a result without its commit was rendered")
+
+
+def _results():
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import results
+    return results
+
+
+def test_readme_headline_table_is_generated_from_the_result_files():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- results:headline -->", 1)[1].split("<!-- /results:headline -->", 1)[0]
+    rows = [line for line in block.splitlines() if line.startswith("| [")]
+    assert 3 <= len(rows) <= 6, "the README's headline table has 3 to 6 rows"
+    for row in rows:
+        page = re.match(r"\| \[[^]]+\]\((docs/results/\w+\.md)\)", row).group(1)
+        assert (ROOT / page).with_suffix(".json").is_file(), f"{page} has no JSON beside it"
+
+
+def test_a_stale_headline_table_fails_the_check(tmp_path):
+    import shutil
+    results = _results()
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "docs" / "results")
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    args = ["--results-dir", str(tmp_path / "docs" / "results"), "--readme", str(readme)]
+    readme.write_text(text)
+    assert results.main(["--check", *args]) == 0
+    block = text.split("<!-- results:headline -->", 1)[1].split("<!-- /results:headline -->", 1)[0]
+    figure = re.search(r"\d+\.\d+×", block).group(0)
+    readme.write_text(text.replace(figure, "9" + figure, 1))          # a figure typed over by hand
+    assert results.main(["--check", *args]) == 1
+    assert results.main(args) == 0 and readme.read_text() == text    # rebuilding restores it
+    doc = tmp_path / "docs" / "results" / "vs_sb3_halfcheetah.json"
+    doc.write_text(doc.read_text().replace('"train_s": 98.0', '"train_s": 198.0', 1))   # SB3's seed 1 slower
+    assert results.main(["--check", *args]) == 1
+    assert results.main(args) == 0 and readme.read_text() != text    # the headline follows the JSON
+
+
+def test_a_readme_without_the_headline_markers_is_refused(tmp_path):
+    results = _results()
+    readme = tmp_path / "README.md"
+    readme.write_text("# Tandem\n")
+    try:
+        results.build(ROOT / "docs" / "results", readme)
+    except results.ResultError as e:
+        assert "results:headline" in str(e)
+    else:
+        raise AssertionError("a README without the headline markers was accepted")
