@@ -15,14 +15,13 @@ then behaviour cloning):
    is used for ``--data-every`` steps (a few epochs): reusing it longer lets the model memorise it.
 
 Why stage 1: trained on the task alone, this model from scratch does not learn to read the
-instruction. It settles at the 40-55% of a policy that heads for one of the three targets whatever
-it is told: its actions barely change when the instruction names another colour (a KL of ~0.002
-nats after up to 4,000 steps at learning rates 1e-3 and 3e-3; a curriculum that drew the other
-targets dimmer grounded in one run of three). The localisation task asks for the binding of a colour
-word to an image patch directly, and on its own the model learns it in 400-600 steps at learning
-rates 5e-4 to 1e-3 (not when mixed into behaviour cloning from the start). The "grounding" figure
-printed is that KL: the action distribution given the true instruction against one naming another
-target (``--min-grounding``).
+instruction. It settles at a policy that heads for one of the three targets whatever it is told
+(its actions barely change when the instruction names another colour). The localisation task asks
+for the binding of a colour word to an image patch directly, which the model learns on its own (not
+when mixed into behaviour cloning from the start). The figures behind this are in
+docs/results/notebook.md ("Pretraining the action-token Reach model"). The "grounding" figure
+printed is the KL between the action distribution given the true instruction and given one naming
+another target (``--min-grounding``).
 
 Written as a local Hugging Face checkpoint directory (``save_pretrained``: config.json and
 model.safetensors, plus the value head in tandem_adapter.safetensors and the adapter's keywords in

@@ -121,7 +121,7 @@ class CpuThreads:
 
     def before_minibatch(self) -> None:
         """``learner.torch_threads`` "idle": every usable core while the next batch already waits,
-        else one thread. Switching costs ~2 ms, so only a change of state switches."""
+        else one thread. Resizing the thread pool has a cost, so only a change of state switches."""
         wide = self.batch_waiting()
         threads = self.idle_threads if wide else 1
         if torch.get_num_threads() != threads:

@@ -290,7 +290,7 @@ class LearnerRun:
             return
         learner.publish(final=True)
         video = self.cfg.trainer.video
-        # rendering the final evaluation's video (software GL: ~0.1-0.3 s a frame here) gets its own time
+        # rendering the final evaluation's video gets its own time (0.5 s a frame: software GL is slow)
         grace = 120 + (0.5 * video.max_frames * video.episodes if video.every else 0)
         deadline, republish = time.time() + grace, time.time() + 5
         while time.time() < deadline and proc.is_alive() and not self.stop.is_set() and self.receiver.is_alive():
@@ -323,7 +323,7 @@ class LearnerRun:
             return
         wait = 2.0
         if self.video_frames_pending and exit_code == 0 and not self.stop.is_set():
-            # videos deferred to the end of the run (trainer.video.when): software GL takes ~0.1-0.3 s a frame
+            # videos deferred to the end of the run (trainer.video.when): 0.5 s a frame, for software GL
             wait += 0.5 * self.video_frames_pending
             say(f"[learner] the evaluator renders its deferred videos ({self.video_frames_pending} frames at most; "
                 f"waiting up to {wait:.0f} s)")

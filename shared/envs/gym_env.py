@@ -1,6 +1,7 @@
 """gymnasium envs as a :class:`~shared.envs.base.BatchedEnv`, stepped in-process.
 
-All of an actor's envs live in its process: on a 2-core machine a process per env is 3-7x slower.
+All of an actor's envs live in its process: a process per env would pay for inter-process copies
+and the cores an actor does not have.
 """
 
 from __future__ import annotations

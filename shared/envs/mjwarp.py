@@ -14,7 +14,7 @@ graphs (CUDA graphs on a GPU; Warp >= 1.19 records CPU launches too) and replaye
 launch instead of ~100 kernel launches from Python.
 
 Needs ``pip install 'tandem-rl[warp]'`` (mujoco-warp, warp-lang). The first use on a machine compiles
-the kernels (~30 s on CPU; cached in ``~/.cache/warp``).
+the kernels (once; cached in ``~/.cache/warp``).
 """
 
 from __future__ import annotations
