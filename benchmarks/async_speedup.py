@@ -341,8 +341,7 @@ def run_thread_variant(args, name: str = "thread") -> Result:
                     version = learner.version
                 times.setdefault("first_collect", time.perf_counter())
                 rollout, stats, _ = collector.collect(version)
-                meta = RolloutMeta(actor=0, seq=seq, episode_returns=stats.episode_returns,
-                                   episode_lengths=stats.episode_lengths)
+                meta = RolloutMeta.of(0, seq, stats, policy_version=version, env_steps=rollout.numel())
                 learner.ingest(rollout.clone(), meta.to_meta())
                 times.setdefault("first_ingest", time.perf_counter())
                 seq += 1

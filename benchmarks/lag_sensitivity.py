@@ -16,16 +16,16 @@ An asynchronous run with A actors differs from a synchronous one with 1 actor in
    episode, and the policy never sees the states it must learn to handle there.
 
 This script separates the two. A case ``A:L`` trains the config in this one process with the real
-:class:`learner.learner.Learner` and A real :class:`actors.rollout.Collector` s (each with its own
-env and policy copy, seeded as actor ``i`` seeds itself), round-robin: the rollout trained on at
-update u is collected by actor ``u mod A`` with the weights the learner published as version
-``max(0, u - L)``. No sleeps, no sockets, no scheduling: a case is a deterministic function of its
-seed, and a CartPole run of 32k steps takes about 5 s. ``1:0`` is the synchronous baseline,
-``4:0`` is 4 actors' envs without lag, ``1:4`` is lag 4 without extra envs, ``4:4`` is what
-``vla`` mode with 4 actors and one rollout per update does. With ``--per-update actors`` an update
-instead trains one rollout of ``--buffer-size / A`` steps from each of the A actors, all acted by
-version ``max(0, u - L)``: ``4:1`` is then what ``vla`` mode with 4 actors does by default
-(``trainer.rollouts_per_update`` = number of actors).
+:class:`learner.learner.Learner` and A serial-runner actors (:class:`runners.serial.SerialActor`: a
+real :class:`actors.rollout.Collector` each, with its own env and policy copy, seeded as actor ``i``
+seeds itself), round-robin: the rollout trained on at update u is collected by actor ``u mod A``
+with the weights the learner published as version ``max(0, u - L)``. No sleeps, no sockets, no
+scheduling: a case is a deterministic function of its seed, and a CartPole run of 32k steps takes
+about 5 s. ``1:0`` is the synchronous baseline, ``4:0`` is 4 actors' envs without lag, ``1:4`` is
+lag 4 without extra envs, ``4:4`` is what ``vla`` mode with 4 actors and one rollout per update
+does. With ``--per-update actors`` an update instead trains one rollout of ``--buffer-size / A``
+steps from each of the A actors, all acted by version ``max(0, u - L)``: ``4:1`` is then what
+``vla`` mode with 4 actors does by default (``trainer.rollouts_per_update`` = number of actors).
 
 Every case gets the benchmark's overrides of ``async_speedup.py`` (one rollout per update, the same
 samples per update, no periodic evaluation) and the final weights get the evaluator's deterministic
@@ -73,15 +73,11 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     `per_update` "one": update u trains one rollout of `buffer_size` steps, from actor ``u mod A``;
     "actors": one rollout of ``buffer_size // A`` steps from every actor (as ``vla`` mode does by
     default). Either way every rollout of update u is acted by version ``max(0, u - lag)``."""
-    import torch
-
-    from actors.rollout import Collector, sends_bootstrap_obs
-    from shared.rollout import RolloutMeta, actor_seed
     from learner.evaluator import evaluate
     from learner.learner import Learner, ListPublisher
+    from runners.serial import SerialActor
     from shared.config import load_config
     from shared.envs import make_env
-    from shared.policies import has_critic, load_weights_, make_policy
 
     samples = num_envs * buffer_size
     if per_update not in ("one", "actors"):
@@ -108,26 +104,15 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     if 0 not in weights:
         learner.publish()
         take_published()
-    collectors = []
-    for i in range(actors):
-        s = actor_seed(cfg, i)                             # as actors.actor.Actor seeds actor i
-        torch.manual_seed(s)
-        env = make_env(cfg.env.id, num_envs, cfg.env.cfg, "cpu")
-        policy = make_policy(cfg, env.spec).eval()
-        collectors.append((env, policy, Collector(env, policy, rollout_steps, seed=s,
-                                                  bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(policy)))))
-    lags, seqs, u = [], [0] * actors, 0
+    # the serial runner's actors (seeded as actor i seeds itself), but not its loop: the lag is the point
+    serial = [SerialActor(cfg, i, device="cpu") for i in range(actors)]
+    lags, u = [], 0
     try:
         while not learner.finished:
             version = max(0, learner.version - lag)
             for i in ([u % actors] if k == 1 else range(actors)):
-                _, policy, collector = collectors[i]
-                load_weights_(policy, weights[version])
-                rollout, stats, _ = collector.collect(version)
-                meta = RolloutMeta(actor=i, seq=seqs[i], episode_returns=stats.episode_returns,
-                                   episode_lengths=stats.episode_lengths)
-                learner.ingest(rollout.clone(), meta.to_meta())
-                seqs[i] += 1
+                serial[i].load(weights[version], version)
+                learner.ingest(*serial[i].collect())
             batch = learner.take_batch(timeout_s=0.0)
             if batch is None:
                 raise RuntimeError(f"case {actors}:{lag}: the learner did not take the rollout of update {u + 1}")
@@ -138,8 +123,8 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
                 del weights[old]
             u += 1
     finally:
-        for env, _, _ in collectors:
-            env.close()
+        for actor in serial:
+            actor.close()
     learner.policy.eval()
     eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
     try:   # the evaluator process's first evaluation uses this seed

@@ -17,9 +17,10 @@ In one sitting, for every seed in turn, every variant trains the config to the s
   wait (the actors have nothing to do), each minibatch's value loss runs on a second thread.
 - ``overlap_threads`` -- ``overlap`` with ``learner.torch_threads=idle``: while the next rollouts
   already wait, each minibatch runs with every core as torch intra-op threads instead.
-- ``plain`` -- a single-process loop built from Tandem's own pieces (one :class:`Collector` stepping
-  every env, ``num_actors x num_envs``; the same :class:`Learner` update), run synchronously in a
-  fresh interpreter with torch's default threads: the same algorithm, without processes.
+- ``plain`` -- the serial runner (``runners/serial.py``: Tandem's own collector and
+  :class:`Learner` update in one process) with one actor stepping every env, ``num_actors x
+  num_envs``, run synchronously in a fresh interpreter with torch's default threads: the same
+  algorithm, without processes.
 - ``sb3`` -- Stable-Baselines3 PPO (if it is importable: ``pip install -e '.[bench]'``) with the
   same hyperparameters: ``DummyVecEnv`` of all the envs, ``VecNormalize`` for observations and
   rewards, the same network, log-std, learning rate (annealed linearly when ``anneal_lr``), steps per
@@ -158,14 +159,11 @@ def worker_calibrate(config: str, sets: list[str], rollouts: int, updates: int) 
 
 
 def worker_plain(config: str, sets: list[str], seed: int) -> dict:
-    """Tandem's collector and update in one process, one after the other, every env in one batch."""
+    """Tandem's collector and update in one process, one after the other, every env in one batch:
+    the serial runner (``runners/serial.py``) with one actor of ``num_actors x num_envs`` envs."""
     import torch
 
-    from actors.rollout import Collector
-    from shared.rollout import RolloutMeta
-    from learner.evaluator import evaluate
-    from learner.learner import Learner, ListPublisher
-    from shared.envs import make_env
+    from runners.serial import SerialRunner
     t_start = time.perf_counter()
     base = _load(config, sets)
     n = base.actors.num_actors * base.actors.num_envs
@@ -173,38 +171,25 @@ def worker_plain(config: str, sets: list[str], seed: int) -> dict:
                                 f"actors.num_envs={n}", "trainer.rollouts_per_update=1"])
     threads = usable_cores()
     torch.set_num_threads(threads)
-    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
-    env_seed = seed * 100_003
-    torch.manual_seed(env_seed)
-    env = make_env(cfg.env.id, n, cfg.env.cfg, "cpu")
+    runner = SerialRunner(cfg, run_dir=None, evaluate_every=0)   # evaluated once, at the end
+    learner = runner.learner
     collect_cpu = update_cpu = 0.0
     try:
-        collector = Collector(env, learner.policy, cfg.trainer.buffer_size, seed=env_seed)
         t0 = time.perf_counter()
-        seq = 0
-        while not learner.finished:
+        while not learner.finished:                 # SerialRunner.step, its halves timed apart
             c0 = time.process_time()
-            rollout, stats, _ = collector.collect(learner.version)
+            collected = runner.collect()
             collect_cpu += time.process_time() - c0
-            meta = RolloutMeta(actor=0, seq=seq, episode_returns=stats.episode_returns,
-                               episode_lengths=stats.episode_lengths)
-            learner.ingest(rollout.clone(), meta.to_meta())
-            seq += 1
-            batch = learner.take_batch(timeout_s=1.0)
-            if batch is None:
-                raise RuntimeError("plain loop: the learner did not take the rollout")
+            for rollout, meta in collected:
+                learner.ingest(rollout, meta)
             u0 = time.process_time()
-            learner.update_once(*batch)
+            if not runner.train():
+                raise RuntimeError("plain loop: the learner did not take the rollout")
             update_cpu += time.process_time() - u0
         train_s = time.perf_counter() - t0
+        returns = runner.evaluate()["returns"]      # the evaluator's first seed, trainer.seed + 1_000_003
     finally:
-        env.close()
-    eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
-    try:
-        learner.policy.eval()
-        returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes, seed=seed + 1_000_003)[0]
-    finally:
-        eval_env.close()
+        runner.close()
     return {"train_s": train_s, "total_s": time.perf_counter() - t_start, "env_steps": learner.env_steps,
             "updates": learner.updates, "eval_return": sum(returns) / len(returns), "threads": threads,
             "collect_cpu_s": collect_cpu, "update_cpu_s": update_cpu}

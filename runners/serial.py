@@ -14,7 +14,10 @@ envs of ``actors.num_envs`` each, seeded as the actor processes seed theirs), ea
 own policy copy that loads the published weights as an actor does, and the learner the learner
 process runs. Every rollout is acted by the current version (lag 0), so it is on-policy in both
 modes. Evaluations run in-process every ``trainer.eval_freq`` env steps, on the episodes the
-evaluator process would play.
+evaluator process would play. ``step()`` is one turn; its halves ``collect()`` (the actors) and
+``train()`` (the learner's updates) are there for benchmarks that time them and tests that look at
+what passes between them. A loop that does something else on purpose (lagged or forged rollouts)
+builds on :class:`SerialActor` and the :class:`Learner` directly.
 
     python -m runners.serial --config configs/cartpole_ppo.json [--steps N] [--out DIR] [--set K=V ...]
 """
@@ -119,15 +122,31 @@ class SerialRunner:
         learner = self.learner
         if learner.finished:
             return False
-        for actor in self.actors:
-            actor.load(self.weights.weights, learner.version)
-            learner.ingest(*actor.collect())
-        while (batch := learner.take_batch(timeout_s=0)) is not None:
-            learner.update_once(*batch)
-            learner.maybe_save()
+        for rollout, meta in self.collect():
+            learner.ingest(rollout, meta)
+        self.train()
         if self.eval_every and learner.env_steps >= (self.evaluations + 1) * self.eval_every:
             self.evaluate()
         return not learner.finished
+
+    def collect(self) -> list[tuple[TensorDictBase, dict]]:
+        """Every actor loads the newest weights and collects one rollout: ``(rollout, meta)`` per
+        actor, not yet ingested. A rollout is its collector's storage: clone it to keep it past
+        that actor's next collection."""
+        out = []
+        for actor in self.actors:
+            actor.load(self.weights.weights, self.learner.version)
+            out.append(actor.collect())
+        return out
+
+    def train(self) -> list[dict]:
+        """One update per full batch the learner holds (each publishes the next version); returns
+        the updates' stats (``Learner.update_once``), none if no batch is complete."""
+        stats = []
+        while (batch := self.learner.take_batch(timeout_s=0)) is not None:
+            stats.append(self.learner.update_once(*batch))
+            self.learner.maybe_save()
+        return stats
 
     def evaluate(self) -> dict:
         """The deterministic policy on ``num_eval_episodes`` episodes (the evaluator's seeds); logged."""

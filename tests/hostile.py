@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from shared import keys, wire
 from shared.envs import EnvSpec
+from shared.rollout import RolloutMeta
 
 FORGER_SEQ = 10**9   # forged messages carry seq >= this, so the versions log tells them apart
 
@@ -55,9 +56,9 @@ def valid_rollout(template: TensorDictBase, spec: EnvSpec, version: int, seed: i
     return td
 
 
-def rollout_meta(actor: int, seq: int, version: int, **extra: Any) -> dict:
-    return {"kind": "rollout", "actor": actor, "seq": seq, "policy_version": version,
-            "episode_returns": [], "episode_lengths": [], **extra}
+def rollout_meta(actor: int, seq: int, version: int, **fields: Any) -> dict:
+    """A well-formed rollout meta (:class:`~shared.rollout.RolloutMeta`), the base that mutations change."""
+    return RolloutMeta(actor=actor, seq=seq, policy_version=version, **fields).to_meta()
 
 
 def schema_attacks(template: TensorDictBase, spec: EnvSpec, version: int) -> list[tuple[str, TensorDict]]:

@@ -1,6 +1,7 @@
 """Per-episode env metrics: bounded cleaning (fuzzed), the gymnasium adapter's reward components,
 and ``train/metrics/<key>`` / ``eval/metrics/<key>`` equal to hand-computed means on a fake env
-that runs through a real actor, the learner and the evaluator's episode loop."""
+that runs through the serial runner (an actor's collector, the learner) and the evaluator's episode
+loop."""
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.actor import Actor
 from learner.evaluator import evaluate
-from learner.learner import Learner, ListPublisher
+from runners.serial import SerialRunner
 from shared.envs import make_env
 from shared.envs.base import ActionSpec, EnvSpec, StepResult
 from shared.metrics import MAX_KEYS, MAX_NAME, clean_metrics, mean_metrics
-from tests.test_learner_component import CaptureSink, PublisherSource, small_config
+from tests.test_learner_component import small_config
 
 _values = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**70, 2**70), st.booleans(),
                     st.text(max_size=5), st.none(), st.lists(st.integers(), max_size=3))
@@ -88,7 +88,7 @@ class MetricsEnv:
 
 
 def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
-    import actors.actor
+    import runners.serial
     import shared.envs
     envs: list[MetricsEnv] = []
 
@@ -96,18 +96,13 @@ def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
         envs.append(MetricsEnv(num_envs))
         return envs[-1]
 
-    monkeypatch.setattr(actors.actor, "make_env", fake_make_env)
+    monkeypatch.setattr(runners.serial, "make_env", fake_make_env)   # the actor's env
     monkeypatch.setattr(shared.envs, "make_env", fake_make_env)      # the learner's env_spec builds one
-    cfg = small_config()
-    pub = ListPublisher()
-    lrn = Learner(cfg, run_dir=None, publisher=pub)
-    lrn.publish()
-    sink = CaptureSink()
-    actor = Actor(cfg, 0, PublisherSource(pub), sink)
-    for _ in range(6):
-        assert actor.step_once()
-        lrn.ingest(*sink.messages[-1])
-        lrn.update_once(*lrn.take_batch(timeout_s=0))
+    runner = SerialRunner(small_config())
+    for _ in range(6):                                     # one rollout and one update each
+        assert runner.step()
+    lrn = runner.learner
+    assert lrn.updates == 6
     emitted = envs[-1].emitted[-100:]                      # the learner keeps the last 100 episodes
     assert len(envs[-1].emitted) > 100
     values = lrn.last_update_values
@@ -128,14 +123,9 @@ def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
 
 
 def test_hostile_episode_metrics_are_cleaned_and_the_rollout_kept():
-    cfg = small_config()
-    pub = ListPublisher()
-    lrn = Learner(cfg, run_dir=None, publisher=pub)
-    lrn.publish()
-    sink = CaptureSink()
-    actor = Actor(cfg, 0, PublisherSource(pub), sink)
-    assert actor.step_once()
-    td, meta = sink.messages[-1]
+    runner = SerialRunner(small_config())
+    lrn = runner.learner
+    (td, meta), = runner.collect()                         # a real rollout; its meta is then forged
     meta = dict(meta)
     flood = {f"k{i}": float(i) for i in range(500)}
     meta["episode_metrics"] = [flood, {"x" * 500: 1.0, "ok": float("inf")}, "junk", 7, {"fine": 2.0}] * 400
@@ -143,8 +133,9 @@ def test_hostile_episode_metrics_are_cleaned_and_the_rollout_kept():
     assert len(lrn.buffer) == 1                            # the data is kept
     kept = list(lrn.stats.metrics)
     assert len(kept) == 100 and all(len(m) <= MAX_KEYS for m in kept)
-    lrn.update_once(*lrn.take_batch(timeout_s=0))
+    assert len(runner.train()) == 1
     assert sum(k.startswith("train/metrics/") for k in lrn.last_update_values) <= MAX_KEYS
     before = dict(lrn.counts)
     lrn.ingest(td, {**meta, "episode_metrics": {"not": "a list"}})   # ignored; the rollout is received
     assert lrn.counts["rollouts"] == before["rollouts"] + 1 and lrn.counts["rejected"] == before["rejected"]
+    runner.close()

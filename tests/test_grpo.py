@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from actors.actor import Actor
 from learner.grpo import MASK, grpo_advantages, grpo_loss, grpo_update
 from learner.learner import Learner, ListPublisher
+from runners.serial import SerialRunner
 from shared import keys
 from shared.config import ConfigError, GRPOConfig, config_from_dict, load_config
 from tests.test_learner_component import CaptureSink, PublisherSource
@@ -254,21 +255,20 @@ def test_envs_of_a_group_start_from_identical_states(env_id):
 
 def test_kl_reference_is_frozen_initial_policy_and_checkpointed(tmp_path):
     cfg = grpo_config(kl_coef=0.05)
-    learner = Learner(cfg, run_dir=tmp_path, publisher=ListPublisher())
-    learner.publish()
+    runner = SerialRunner(cfg, tmp_path)
+    learner = runner.learner
     init = {k: v.clone() for k, v in learner.policy.state_dict().items()}
-    sink = CaptureSink()
-    actor = Actor(cfg, 0, PublisherSource(learner.publisher), sink)
-    assert actor.step_once()
-    learner.ingest(*sink.messages[-1])
-    stats = learner.update_once(*learner.take_batch(timeout_s=0))
+    for rollout, meta in runner.collect():
+        learner.ingest(rollout, meta)
+    stats, = runner.train()
     assert "kl_ref" in stats
-    for k, v in learner.ref_policy.state_dict().items():
+    for k, v in learner.algorithm.ref_policy.state_dict().items():
         assert torch.equal(v, init[k])
     learner.save()
     resumed = Learner(cfg, run_dir=tmp_path, publisher=ListPublisher(), resume=True)
-    for k, v in learner.ref_policy.state_dict().items():
-        assert torch.equal(resumed.ref_policy.state_dict()[k], v)
+    for k, v in learner.algorithm.ref_policy.state_dict().items():
+        assert torch.equal(resumed.algorithm.ref_policy.state_dict()[k], v)
+    runner.close()
 
 
 def test_bad_combinations_name_file_and_keys(tmp_path):

@@ -118,11 +118,11 @@ def test_a_minibatch_with_a_non_finite_gradient_takes_no_step():
     learner.policy.evaluate_actions = original
     learner.ingest(valid_rollout(learner.template, learner.spec, 1), rollout_meta(0, 1, 1))
     stats = learner.update_once(*learner.take_batch(timeout_s=0))
-    assert stats["skipped_steps"] == 0 and stats["steps"] > 0 and learner._failed_in_a_row == 0
+    assert stats["skipped_steps"] == 0 and stats["steps"] > 0 and learner.skips.failed_in_a_row == 0
 
 
 def test_updates_that_keep_failing_stop_the_run_with_a_clear_message():
-    from learner.learner import MAX_FAILED_UPDATES
+    from learner.counters import MAX_FAILED_UPDATES
     learner = _tiny_learner("ppo")
     learner.policy.evaluate_actions = lambda mb, f=learner.policy.evaluate_actions: tuple(
         x * float("nan") if x is not None else x for x in f(mb))

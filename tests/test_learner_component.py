@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from actors.actor import Actor
+from learner.checkpoint import save_checkpoint
 from learner.learner import Learner, ListPublisher, RejectedMessage, make_optimizer
 from shared import keys, wire
 from shared.rollout import RolloutMeta
@@ -236,8 +237,7 @@ def test_vla_lag_filter_drops_and_counts():
 def test_checkpoint_resume_restores_everything(tmp_path):
     cfg = small_config()
     learner, _, _, actor = serial_run(cfg, updates=2)
-    learner.run_dir = tmp_path
-    path = learner.save()
+    path = save_checkpoint(tmp_path / "checkpoints", learner.state_dict(), learner.version)
     assert path.exists()
     resumed = Learner(cfg, run_dir=tmp_path, publisher=ListPublisher(), resume=True)
     assert (resumed.version, resumed.env_steps, resumed.updates) == (learner.version, learner.env_steps, learner.updates)

@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from actors.actor import Actor
 from learner.learner import Learner, ListPublisher
 from learner.logs import RunLogger, read_jsonl
+from runners.serial import SerialRunner
 from shared import keys
 from tests.test_learner_component import CaptureSink, PublisherSource, small_config
 
@@ -157,15 +158,12 @@ def test_corrections_equal_plain_ppo_on_policy(tmp_path, correction, lam, vtrace
         cfg.algorithm.cfg.norm_adv = False
         cfg.algorithm.cfg.ewma_decay = 0.999999
         cfg.algorithm.cfg.vtrace_advantage = vtrace_advantage
-        pub = ListPublisher()
-        learner = Learner(cfg, run_dir=None, publisher=pub)
-        learner.publish()
-        sink = CaptureSink()
-        actor = Actor(cfg, 0, PublisherSource(pub), sink)
-        assert actor.step_once()
-        learner.ingest(*sink.messages[-1])
-        stats = learner.update_once(*learner.take_batch(timeout_s=0))
-        results.append(learner.policy.state_dict())
+        runner = SerialRunner(cfg)
+        for rollout, meta in runner.collect():
+            runner.learner.ingest(rollout, meta)
+        stats, = runner.train()
+        runner.close()
+        results.append(runner.learner.policy.state_dict())
         if corr == "mask":
             assert stats["masked_frac"] == 0.0
     for k in results[0]:
@@ -190,18 +188,18 @@ def test_corrections_differ_on_stale_data_and_report_weights(tmp_path):
 
 def _gae_of_update(learner, td, meta, monkeypatch):
     """The advantages and value targets `update_once` trains on, captured from ppo_update."""
-    import learner.learner as learner_module
+    import learner.ppo as ppo_module
     seen = {}
-    real = learner_module.ppo_update
+    real = ppo_module.ppo_update
 
-    def spy(policy, optimizer, batch, cfg, generator, sync_mean=None, **kwargs):
+    def spy(policy, optimizer, batch, cfg, generator, **kwargs):
         seen["adv"], seen["target"] = batch[keys.ADVANTAGE].clone(), batch[keys.VALUE_TARGET].clone()
-        return real(policy, optimizer, batch, cfg, generator, sync_mean=sync_mean, **kwargs)
+        return real(policy, optimizer, batch, cfg, generator, **kwargs)
 
-    monkeypatch.setattr(learner_module, "ppo_update", spy)
+    monkeypatch.setattr(ppo_module, "ppo_update", spy)
     learner.ingest(td.clone(), meta)
     stats = learner.update_once(*learner.take_batch(timeout_s=0))
-    monkeypatch.setattr(learner_module, "ppo_update", real)
+    monkeypatch.setattr(ppo_module, "ppo_update", real)
     return seen, stats
 
 
@@ -212,7 +210,7 @@ def test_stale_values_are_recomputed_by_default(tmp_path, monkeypatch, setting):
     the actor's values, untouched. True: always recompute; False: never (and then the actors send no
     bootstrap observation)."""
     from learner.advantages import compute_gae
-    from learner.vtrace import current_values
+    from learner.advantages import current_values
     cfg, learner = _vla_learner(tmp_path, recompute_values=setting)
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
     fresh, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
