@@ -25,7 +25,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio, run_epochs
+from learner.fast_epochs import MinibatchStep, epochs_in_mode
+from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio
 from shared import keys
 from shared.keys import MASK
 from shared.config import GRPO_EPISODE_NEEDS_TRUNCATION, GRPOConfig
@@ -124,9 +125,10 @@ def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[st
 
 def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torch.optim.Optimizer,
                 batch: TensorDictBase, cfg: GRPOConfig, generator: torch.Generator,
-                hooks: EpochHooks | None = None) -> dict[str, float]:
+                hooks: EpochHooks | None = None, step: MinibatchStep | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over the unmasked steps of `batch` (``[B, T]``
-    with ``advantage`` and ``mask``). `hooks`: see :class:`learner.minibatch.EpochHooks`."""
+    with ``advantage`` and ``mask``). `hooks`: see :class:`learner.minibatch.EpochHooks`; `step`:
+    the ``learner.compile`` step (``learner/fast_epochs.py``), None for the eager loop."""
     b = batch.reshape(-1)
     keep = b[MASK].nonzero().squeeze(-1)
     fields = {k: b.get(k)[keep] for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.ADVANTAGE)}
@@ -134,8 +136,12 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
     if ref_policy is not None and cfg.kl_coef > 0:
         with torch.no_grad():
             fields["ref_log_prob"] = ref_policy.evaluate_actions(TensorDict(fields, batch_size=[n]))[0]
-    result = run_epochs(policy, optimizer, fields, lambda mb: grpo_loss(policy, mb, cfg), cfg.n_epochs,
-                        cfg.batch_size, cfg.max_grad_norm, cfg.target_kl, generator, hooks)
+    if step is not None:
+        loss_fn = step.loss_for(("grpo",), lambda: lambda mb: grpo_loss(policy, mb, cfg))
+    else:
+        loss_fn = lambda mb: grpo_loss(policy, mb, cfg)  # noqa: E731
+    result = epochs_in_mode(step, policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size,
+                            cfg.max_grad_norm, cfg.target_kl, generator, hooks)
     result["samples"] = n
     return result
 
@@ -149,12 +155,14 @@ class GRPO:
         cfg: ``algorithm.cfg``.
         policy, optimizer, generator: the learner's (the generator orders the minibatches).
         make_reference: builds a fresh policy of the same architecture (for the KL reference).
+        step: the ``learner.compile`` minibatch step, or None (eager).
     """
     name = "grpo"
 
     def __init__(self, cfg: GRPOConfig, policy: nn.Module, optimizer: torch.optim.Optimizer,
-                 generator: torch.Generator, make_reference: Callable[[], nn.Module]):
-        self.cfg, self.optimizer, self.generator = cfg, optimizer, generator
+                 generator: torch.Generator, make_reference: Callable[[], nn.Module],
+                 step: MinibatchStep | None = None):
+        self.cfg, self.optimizer, self.generator, self.step = cfg, optimizer, generator, step
         # The KL penalty pulls towards the initial (e.g. pretrained) weights, frozen here.
         self.ref_policy = None
         if cfg.kl_coef > 0:
@@ -178,7 +186,8 @@ class GRPO:
         return {}
 
     def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:
-        return grpo_update(policy, self.ref_policy, self.optimizer, batch, self.cfg, self.generator, hooks)
+        return grpo_update(policy, self.ref_policy, self.optimizer, batch, self.cfg, self.generator, hooks,
+                           step=self.step)
 
     def state_dict(self) -> dict:
         return {"ref_policy": self.ref_policy.state_dict() if self.ref_policy is not None else None}

@@ -36,6 +36,7 @@ from learner.batching import Batcher
 from learner.checkpoint import Checkpoints, load_checkpoint, load_policy_tensors_
 from learner.counters import MAX_FAILED_UPDATES, RunCounters, SkippedSteps  # noqa: F401 (re-exported)
 from learner.cpu_threads import CpuThreads, learner_threads, uses_critic_thread  # noqa: F401 (re-exported)
+from learner.fast_epochs import MinibatchStep, capturable_policy, resolve_mode
 from learner.grpo import GRPO
 from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.logs import RunLogger
@@ -70,17 +71,22 @@ def env_spec_of(cfg: Config) -> EnvSpec:
 
 
 def make_algorithm(cfg: Config, spec: EnvSpec, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   generator: torch.Generator, device: torch.device, k: int, count, cpu: CpuThreads):
+                   generator: torch.Generator, device: torch.device, k: int, count, cpu: CpuThreads, ranks=None):
     """The run's :class:`PPO` or :class:`GRPO`, for a learner rank that trains on `k` rollouts per update."""
     a = cfg.algorithm.cfg
+    mode, why = resolve_mode(cfg.learner.compile, device, capturable_policy(policy) and bool(optimizer.defaults.get("fused")),
+                             ranks)
+    if why:
+        log.warning(why)
+    step = MinibatchStep(mode, policy, optimizer, a.max_grad_norm) if mode != "off" else None
     if cfg.algorithm.name == "grpo":
-        return GRPO(a, policy, optimizer, generator, lambda: make_policy(cfg, spec).to(device))
+        return GRPO(a, policy, optimizer, generator, lambda: make_policy(cfg, spec).to(device), step)
     if not has_critic(policy):
         raise ValueError(f"{cfg.source}: PPO needs a value estimate, and this {cfg.policy.name!r} policy has "
                          f"none (give the VLA model a value(obs) head, or use algorithm.name \"grpo\")")
     samples = k * cfg.actors.num_envs * cfg.trainer.buffer_size
     steps = a.n_epochs * math.ceil(samples / a.batch_size)
-    return PPO(a, policy, optimizer, generator, device, steps, count, cpu.critic_thread)
+    return PPO(a, policy, optimizer, generator, device, steps, count, None if step else cpu.critic_thread, step)
 
 
 class Learner:
@@ -114,7 +120,7 @@ class Learner:
         self.cpu = CpuThreads(cfg, self.policy, ranks, batch_waiting=lambda: self.standard or len(self.batcher) >= self.k)
         self.stats = RunCounters(cfg.actors.num_actors)   # shared with the receiver thread, one lock
         self.algorithm = make_algorithm(cfg, self.spec, self.policy, self.optimizer, self.generator, self.device,
-                                        self.k, self.stats.count, self.cpu)
+                                        self.k, self.stats.count, self.cpu, ranks)
         self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size,
                                          with_value=has_critic(self.policy),
                                          with_bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
@@ -272,7 +278,7 @@ class Learner:
         update_s, update_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         self.stats.add_times(update_wall_s=update_s, update_cpu_s=update_cpu_s)
         self.update_log.update(stats, lags, update_s, update_cpu_s, version=self.version, updates=self.updates,
-                               learning_rate=self.optimizer.param_groups[0]["lr"], buffer_fill=len(self.batcher),
+                               learning_rate=float(self.optimizer.param_groups[0]["lr"]), buffer_fill=len(self.batcher),
                                wait_s=self.batcher.wait_s, auth_refused=self.curve.refused if self.curve is not None else None)
         self.batcher.wait_s = 0.0
         return stats
@@ -283,7 +289,10 @@ class Learner:
         if a.anneal_lr:
             frac = max(0.0, 1.0 - self.env_steps_trained / self.cfg.trainer.total_steps)
             for g in self.optimizer.param_groups:
-                g["lr"] = a.learning_rate * frac
+                if torch.is_tensor(g["lr"]):   # a captured step reads it from the device: fill in place
+                    g["lr"].fill_(a.learning_rate * frac)
+                else:
+                    g["lr"] = a.learning_rate * frac
         self.policy.train()
         with self.cpu.update() as widen:
             hooks = EpochHooks(sync_mean=self._sync_mean, side_when=self.cpu.critic_when, before_minibatch=widen,

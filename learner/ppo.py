@@ -17,7 +17,8 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from learner.corrections import CurrentPolicy, make_correction
-from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio, run_epochs
+from learner.fast_epochs import MinibatchStep, epochs_in_mode
+from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio
 from learner.proximal import EWMAProximal, ewma_decay_for
 from shared import keys
 from shared.keys import MASK
@@ -110,7 +111,7 @@ def _value_terms(mb: TensorDictBase, cfg: PPOConfig, new_value: torch.Tensor) ->
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, cfg: PPOConfig,
                generator: torch.Generator, hooks: EpochHooks | None = None, renormalize: bool = True,
                proximal: EWMAProximal | None = None, critic_thread: Executor | None = None,
-               refresh: Callable[[], object] | None = None) -> dict[str, float]:
+               refresh: Callable[[], object] | None = None, step: MinibatchStep | None = None) -> dict[str, float]:
     """``n_epochs`` passes of shuffled minibatches over `batch` (any batch shape; flattened here).
 
     Every sample is used exactly once per epoch. Returns the mean of each diagnostic over the
@@ -124,7 +125,8 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     update, are the same as without it (``hooks.side_when`` False: that minibatch's value loss runs
     on this thread; ``side_share`` in the result: the share that ran on `critic_thread`).
     `refresh`: called before every epoch after the first; it rewrites fields of `batch`
-    (``advantages_every: epoch``), which that epoch then trains on.
+    (``advantages_every: epoch``), which that epoch then trains on. `step`: the learner's
+    ``learner.compile`` step (``learner/fast_epochs.py``); None runs the eager loop.
     """
     def read_fields() -> dict[str, torch.Tensor]:
         b = batch.reshape(-1)
@@ -137,7 +139,10 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
 
     fields = read_fields()
     prox_fn = proximal.log_prob if proximal is not None else None
-    if critic_thread is not None:
+    if step is not None:
+        loss_fn = step.loss_for(("ppo", renormalize), lambda: lambda mb: ppo_loss(policy, mb, cfg, renormalize, prox_fn))
+        side = None
+    elif critic_thread is not None:
         loss_fn = lambda mb: ppo_actor_loss(policy, mb, cfg, renormalize, prox_fn)  # noqa: E731
         side = (critic_thread, lambda mb: ppo_critic_loss(policy, mb, cfg))
     else:
@@ -145,8 +150,8 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     given = hooks if hooks is not None else EpochHooks()
     hooks = replace(given, after_step=proximal.step if proximal is not None else None, side_loss=side,
                     before_epoch=refreshed if refresh is not None else None)
-    result = run_epochs(policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size, cfg.max_grad_norm,
-                        cfg.target_kl, generator, hooks)
+    result = epochs_in_mode(step, policy, optimizer, fields, loss_fn, cfg.n_epochs, cfg.batch_size,
+                            cfg.max_grad_norm, cfg.target_kl, generator, hooks)
     b = batch.reshape(-1)
     with torch.no_grad():
         y, v = b[keys.VALUE_TARGET], b[keys.VALUE]
@@ -167,14 +172,16 @@ class PPO:
         steps_per_update: optimiser steps in one update (the ``ewma`` correction's default decay).
         count: ``count(name, n)`` adds to a run counter (the ``mask`` correction's dropped samples).
         critic_thread: an executor for the value loss (``learner.critic_thread``), or None.
+        step: the ``learner.compile`` minibatch step (``learner/fast_epochs.py``), or None (eager).
     """
     name = "ppo"
 
     def __init__(self, cfg: PPOConfig, policy: nn.Module, optimizer: torch.optim.Optimizer,
                  generator: torch.Generator, device: torch.device, steps_per_update: int,
-                 count: Callable[[str, int], None], critic_thread: Executor | None = None):
+                 count: Callable[[str, int], None], critic_thread: Executor | None = None,
+                 step: MinibatchStep | None = None):
         self.cfg, self.policy, self.optimizer, self.generator = cfg, policy, optimizer, generator
-        self.critic_thread = critic_thread
+        self.critic_thread, self.step = critic_thread, step
         self.ewma = None   # the ewma correction's proximal policy
         if cfg.correction == "ewma":
             decay = cfg.ewma_decay if cfg.ewma_decay is not None else ewma_decay_for(steps_per_update)
@@ -209,7 +216,7 @@ class PPO:
         """The epochs over a prepared `batch`; `policy` is the learner's, or its DDP wrapper."""
         return ppo_update(policy, self.optimizer, batch, self.cfg, self.generator, hooks=hooks,
                           renormalize=self._renormalize, proximal=self.ewma, critic_thread=self.critic_thread,
-                          refresh=self._refresh)
+                          refresh=self._refresh, step=self.step)
 
     def state_dict(self) -> dict:
         return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,

@@ -57,11 +57,13 @@ class EWMAProximal:
         self._wrapper = _EvaluateActions(self._shadow if self._shadow is not None else policy)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Move the average towards the live weights (call after each optimiser step)."""
+    def step(self, taken: torch.Tensor | None = None) -> None:
+        """Move the average towards the live weights (call after each optimiser step). `taken`: a
+        device flag, whether the step was taken (the sync-free loop of ``learner/fast_epochs.py``);
+        where it is 0 the average stays."""
         names = list(self.tensors)
-        torch._foreach_lerp_([self.tensors[n] for n in names], [self._live[n].detach() for n in names],
-                             1.0 - self.decay)
+        weight = 1.0 - self.decay if taken is None else taken.to(torch.float32) * (1.0 - self.decay)
+        torch._foreach_lerp_([self.tensors[n] for n in names], [self._live[n].detach() for n in names], weight)
 
     @torch.no_grad()
     def log_prob(self, td) -> torch.Tensor:

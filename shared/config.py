@@ -260,6 +260,15 @@ class LearnerConfig:
     auto. The update is the same, bit for bit, whichever thread each value loss ran on
     (train/critic_thread_share: the share that ran on the thread). Measurements: the results notebook
     (docs/results/notebook.md)."""
+    compile: Literal["auto", "off", "compile", "graph"] = "auto"
+    """How the update runs its minibatches (learner/fast_epochs.py). off: the eager loop, one host
+    sync per minibatch (the finiteness check). compile: no host sync inside an epoch (the check stays,
+    on the device, and a non-finite minibatch still takes no step), the loss through torch.compile.
+    graph: no host sync, and the whole minibatch step (gather, forward, loss, backward, clip, fused
+    Adam) captured once per minibatch size in a CUDA graph and replayed; on the CPU the same step runs
+    uncaptured. auto: graph on CUDA for an actor_critic policy, else off. A policy that cannot be
+    captured (a Hugging Face VLA) and several learner ranks run off, said once in the log. off and
+    graph train the same weights; compile may round differently (fused kernels)."""
     recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
@@ -749,6 +758,9 @@ def _check(cfg: Config) -> list[str]:
     if le.torch_threads == "idle" and le.critic_thread is not False:
         errors.append(f"learner.torch_threads: \"idle\" and learner.critic_thread {le.critic_thread!r} would "
                       f"both take the idle cores: set critic_thread false, or torch_threads to a number")
+    if le.compile in ("compile", "graph") and le.critic_thread is True:
+        errors.append(f"learner.compile {le.compile!r} and learner.critic_thread true: the critic thread is "
+                      f"the eager loop's (compile \"off\"); choose one")
     if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
         errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
                       f"{a.sync_every} asks to hold weights for several rollouts: choose one")

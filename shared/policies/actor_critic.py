@@ -46,6 +46,7 @@ class ActorCritic(nn.Module):
     Reads ``td["observation"]`` (``[*B, *obs_shape]``); writes ``action``, ``sample_log_prob``
     (``[*B]``) and ``value`` (``[*B]``).
     """
+    capturable = True   # fixed shapes, no host sync in evaluate_actions: learner.compile may capture its update
 
     def __init__(self, spec: EnvSpec, cfg: PolicyConfig, with_critic: bool = True):
         super().__init__()
