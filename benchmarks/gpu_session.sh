@@ -13,6 +13,9 @@
 #
 # Steps, in order of what matters most:
 #   1. the device and the packages (always); gpu-tests: pytest -m gpu (tests/test_cuda.py and the collector on CUDA)
+#   1b. gpu-pipeline: benchmarks/gpu_pipeline.py: the update per learner.compile mode against a graph-captured
+#      floor, env steps/s of the serial runner against the launcher (standard, vla) at minibatches 4,096 and
+#      32,768, and MuJoCo Warp HalfCheetah at mjlab's settings where mujoco-warp imports (gpu_pipeline.json)
 #   2. vla-weights: benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
 #      bfloat16 and bf16 autocast at batch 1/8/32, a LoRA training step, peak memory
 #   3. cheetah: HalfCheetah PPO (configs/halfcheetah_ppo.json, 61,440 steps): learner on cpu, then on cuda:0
@@ -77,7 +80,7 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # No run here renders; MuJoCo's EGL backend fails at import where libEGL is missing (CUDA images).
 export MUJOCO_GL="${MUJOCO_GL:-disable}"
-STEPS=" ${TANDEM_GPU_STEPS:-gpu-tests vla-weights cheetah cheetah-vla reach vla0p5b unit-tests} "
+STEPS=" ${TANDEM_GPU_STEPS:-gpu-tests gpu-pipeline vla-weights cheetah cheetah-vla reach vla0p5b unit-tests} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 export TANDEM_PYTHON="${TANDEM_PYTHON:-$(command -v python3)}"
 PY="$TANDEM_PYTHON"
@@ -129,6 +132,10 @@ for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", 
 EOF
 
 want gpu-tests && step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py
+# issue 46's done-when 3: the update per learner.compile mode against the captured floor, the pipeline
+# against the serial runner at minibatches 4,096 and 32,768, and MuJoCo Warp at mjlab's settings
+want gpu-pipeline && step gpu-pipeline 420 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \
+  $("$PY" -c "import mujoco_warp" 2>/dev/null && echo --warp) --timeout 150 --out "$OUTDIR/gpu_pipeline.json"
 want vla-weights && step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
   --train-batch 8 --no-broadcast --repeats 3 --json "$OUTDIR/vla_weights.json"
 

@@ -1,0 +1,294 @@
+"""What one update and the whole pipeline cost on one device, per ``learner.compile`` mode, against a
+graph-captured floor and a single process doing the same work.
+
+    python benchmarks/gpu_pipeline.py [--device cuda:0] [--minibatches 4096,32768] [--envs 4096]
+        [--steps 32] [--epochs 5] [--hidden 256] [--modes off,compile,graph] [--pipeline]
+        [--total-steps N] [--warp] [--out FILE.json]
+
+Three parts, all in one run on one device, each printed as a table with ratios:
+
+1. **Update.** PPO on ``tandem/Pendulum-v0``-shaped data (``envs x steps`` samples, a 256x256 ReLU
+   actor and critic, ``epochs`` epochs) at each minibatch size: milliseconds per minibatch of
+   ``ppo_update`` in each ``learner.compile`` mode, next to the floor: the same minibatch step
+   (gather, Tandem's PPO loss, backward, clip, fused Adam), with no bookkeeping at all, eager and
+   (on CUDA) captured once in a CUDA graph.
+2. **Pipeline** (``--pipeline``). Env steps per second of the same work (``tandem/Pendulum-v0``
+   on the device, 2 actors of ``envs / 2`` envs) in one process (``python -m runners.serial``'s
+   runner) and through ``launch/run_local.sh`` in standard and vla mode, per minibatch size, in the
+   best ``learner.compile`` mode of part 1. Steady state: start-up (imports, building the envs and
+   policies, the first rollout) is left out of both.
+3. **MuJoCo Warp** (``--warp``, needs CUDA and ``mujoco-warp``). HalfCheetah at mjlab's settings
+   (4,096 envs x 24 steps, 5 epochs x 4 minibatches, 256x256) through the launcher, env steps/s
+   against mjlab's ~450k (``../shared/ANCHORS.md``).
+
+``--out`` writes every figure, with the device name, as JSON (``docs/results/`` pages are built
+from such files by ``benchmarks/results.py``). On the CPU the script runs too (small settings), which
+is what its test does; its figures only mean something on the device they name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, BenchmarkError, machine_info, read_jsonl, run_launcher  # noqa: F401
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from learner.fast_epochs import MinibatchStep  # noqa: E402
+from learner.learner import make_optimizer  # noqa: E402
+from learner.minibatch import _total  # noqa: E402
+from learner.ppo import ppo_loss, ppo_update  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.config import config_from_dict  # noqa: E402
+from shared.envs import env_spec  # noqa: E402
+from shared.policies import make_policy  # noqa: E402
+
+ENV = "tandem/Pendulum-v0"
+MJLAB_ANCHOR = 450_000   # env steps/s, mjlab HalfCheetah-v5 4,096 envs (its BENCHMARK.md; ANCHORS.md)
+
+
+def run_config(device: str, envs: int, steps: int, epochs: int, minibatch: int, hidden: int, mode: str,
+               total_steps: int) -> dict:
+    """The config every part uses: Pendulum on the device, 2 actors, the given update shape."""
+    net = {"type": "mlp", "network_cfg": {"hidden_sizes": [hidden, hidden], "activation": "relu"}}
+    return {"trainer": {"exp_name": "gpu_pipeline", "seed": 1, "total_steps": total_steps, "buffer_size": steps,
+                        "buffer_type": "standard", "buffer_capacity": 4, "max_policy_lag": 1, "eval_freq": 0,
+                        "save_freq": 0, "log_interval_s": 30},
+            "actors": {"num_actors": 2, "num_envs": max(envs // 2, 1), "devices": [device]},
+            "learner": {"device": device, "compile": mode},
+            "env": {"id": ENV, "cfg": {}},
+            "policy": {"name": "actor_critic", "normalize_obs": True, "actor": net, "critic": net},
+            "algorithm": {"name": "ppo", "cfg": {"learning_rate": 3e-4, "n_epochs": epochs, "batch_size": minibatch,
+                                                 "max_grad_norm": 0.5, "clip_vloss": True}}}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batch(spec, n: int, device: torch.device) -> TensorDict:
+    g = torch.Generator().manual_seed(0)
+    act = spec.action.shape
+    return TensorDict({keys.OBS: torch.randn(n, *spec.obs_shape, generator=g),
+                       keys.ACTION: torch.randn(n, *act, generator=g) * 0.3,
+                       keys.LOG_PROB: torch.randn(n, generator=g) - 1, keys.ADVANTAGE: torch.randn(n, generator=g),
+                       keys.VALUE: torch.randn(n, generator=g), keys.VALUE_TARGET: torch.randn(n, generator=g)},
+                      [n]).to(device)
+
+
+def _policy(raw: dict, device: torch.device):
+    cfg = config_from_dict(raw, source="gpu_pipeline")
+    torch.manual_seed(1)
+    spec = env_spec(ENV)
+    return cfg, spec, make_policy(cfg, spec).to(device)
+
+
+def time_update(raw: dict, device: torch.device, mode: str, n: int, repeats: int) -> float:
+    """Seconds per minibatch of ``ppo_update`` in `mode` (after two warm-up updates)."""
+    cfg, spec, policy = _policy(raw, device)
+    a = cfg.algorithm.cfg
+    opt = make_optimizer(policy, a.learning_rate, a.adam_eps)
+    step = MinibatchStep(mode, policy, opt, a.max_grad_norm) if mode != "off" else None
+    batch, gen = _batch(spec, n, device), torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ppo_update(policy, opt, batch, a, gen, step=step)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        ppo_update(policy, opt, batch, a, gen, step=step)
+    _sync(device)
+    return (time.perf_counter() - t0) / (repeats * a.n_epochs * math.ceil(n / a.batch_size))
+
+
+def time_floor(raw: dict, device: torch.device, n: int, repeats: int, capture: bool) -> float:
+    """Seconds per minibatch of the bare step (no skip, no sums, no early stop): eager, or captured."""
+    cfg, spec, policy = _policy(raw, device)
+    a = cfg.algorithm.cfg
+    opt = make_optimizer(policy, a.learning_rate, a.adam_eps)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    fields = {k: v for k, v in _batch(spec, n, device).items()}
+    b = a.batch_size
+    idx = torch.arange(b, device=device) % n
+
+    def step():
+        mb = TensorDict({k: v.index_select(0, idx) for k, v in fields.items()}, batch_size=[b])
+        opt.zero_grad(set_to_none=True)
+        _total(ppo_loss(policy, mb, a)).backward()
+        torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
+        opt.step()
+
+    run = step
+    if capture:
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(float(g["lr"]), device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
+    steps = repeats * a.n_epochs * math.ceil(n / b)
+    for _ in range(3):
+        run()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        perm = torch.randperm(n, device=device)
+        idx.copy_(perm[:b])
+        run()
+    _sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def part_update(args, device: torch.device) -> list[dict]:
+    rows = []
+    n = args.envs * args.steps
+    for mb in args.minibatches:
+        raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, "off", n)
+        row = {"minibatch": mb, "samples": n, "steps_per_update": args.epochs * math.ceil(n / mb)}
+        row["floor_eager_ms"] = 1e3 * time_floor(raw, device, n, args.repeats, capture=False)
+        if device.type == "cuda":
+            row["floor_graph_ms"] = 1e3 * time_floor(raw, device, n, args.repeats, capture=True)
+        for mode in args.modes:
+            try:
+                row[f"{mode}_ms"] = 1e3 * time_update(raw, device, mode, n, args.repeats)
+            except Exception as e:   # a mode this device cannot run: said, the others still measured
+                row[f"{mode}_error"] = f"{type(e).__name__}: {e}"[:300]
+        floor = row.get("floor_graph_ms", row["floor_eager_ms"])
+        for mode in args.modes:
+            if f"{mode}_ms" in row:
+                row[f"{mode}_over_floor"] = row[f"{mode}_ms"] / floor
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _serial_rate(raw: dict) -> dict:
+    """Steady-state env steps/s of the serial runner: from the end of its first turn (start-up, the
+    first collection and update, any capture) to the end of the run."""
+    from runners.serial import SerialRunner
+    runner = SerialRunner(config_from_dict(raw, source="gpu_pipeline"))
+    t0 = time.perf_counter()
+    try:
+        runner.step()
+        t1, first = time.perf_counter(), runner.learner.env_steps
+        while runner.step():
+            pass
+    finally:
+        runner.close()
+    t2, steps = time.perf_counter(), runner.learner.env_steps
+    return {"env_steps": steps, "wall_s": t2 - t0, "sps": (steps - first) / max(t2 - t1, 1e-9)}
+
+
+def _launcher_rate(raw: dict, buffer_type: str, work: Path, timeout_s: float) -> dict:
+    raw = json.loads(json.dumps(raw))
+    raw["trainer"]["buffer_type"] = buffer_type
+    path = work / f"{buffer_type}_{raw['algorithm']['cfg']['batch_size']}.json"
+    path.write_text(json.dumps(raw))
+    run_dir = work / path.stem
+    wall, notes = run_launcher(["--config", str(path)], run_dir, timeout_s, f"launcher {buffer_type}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"env_steps": summary["env_steps"], "launcher_wall_s": wall, "learner_wall_s": summary["wall_s"],
+            "sps": _steady_rate(summary), "stop_notes": notes}
+
+
+def _steady_rate(summary: dict) -> float:
+    """Env steps/s from the first rollout's arrival to the last's (start-up left out, as for the
+    serial runner): every rollout after the first, over that time."""
+    span = summary["last_rollout_time"] - summary["first_rollout_time"]
+    first = summary["env_steps"] / max(summary["rollouts"], 1)
+    return (summary["env_steps"] - first) / max(span, 1e-9)
+
+
+def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_pipeline_") as tmp:
+        for mb in args.minibatches:
+            raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, mode, args.total_steps)
+            row = {"minibatch": mb, "mode": mode, "serial": _serial_rate(raw)}
+            for buffer_type in ("standard", "vla"):
+                try:
+                    row[buffer_type] = _launcher_rate(raw, buffer_type, Path(tmp), args.timeout)
+                    row[f"{buffer_type}_over_serial"] = row[buffer_type]["sps"] / row["serial"]["sps"]
+                except BenchmarkError as e:
+                    row[buffer_type] = {"error": str(e)[-600:]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def part_warp(args, device: torch.device, mode: str) -> dict:
+    """MuJoCo Warp HalfCheetah at mjlab's settings through the launcher (vla mode, 1 actor)."""
+    sets = ["actors.num_actors=1", "actors.num_envs=4096", "trainer.buffer_size=24", f"actors.devices=[\"{device}\"]",
+            f"learner.device={device}", f"learner.compile={mode}", "algorithm.cfg.n_epochs=5",
+            "algorithm.cfg.batch_size=24576", "trainer.buffer_type=vla", "trainer.max_policy_lag=1",
+            f"trainer.total_steps={args.warp_steps}", "trainer.eval_freq=0", "trainer.save_freq=0"]
+    with tempfile.TemporaryDirectory(prefix="gpu_pipeline_warp_") as tmp:
+        run_dir = Path(tmp) / "warp"
+        args_ = ["--config", str(ROOT / "configs/mjwarp_halfcheetah_ppo.json")] + [x for s in sets for x in ("--set", s)]
+        wall, _ = run_launcher(args_, run_dir, args.timeout, "mjwarp")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/episode_return" in r]
+    row = {"env_steps": summary["env_steps"], "learner_wall_s": summary["wall_s"], "launcher_wall_s": wall,
+           "sps": _steady_rate(summary), "anchor_sps": MJLAB_ANCHOR,
+           "last_train_return": train[-1]["train/episode_return"] if train else None}
+    row["over_anchor"] = row["sps"] / MJLAB_ANCHOR
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--minibatches", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 32768])
+    p.add_argument("--envs", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="timed updates per mode")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["off", "compile", "graph"])
+    p.add_argument("--pipeline", action="store_true", help="part 2: serial runner against the launcher")
+    p.add_argument("--pipeline-mode", default=None, help="learner.compile for part 2 (default: part 1's fastest)")
+    p.add_argument("--total-steps", type=int, default=4096 * 32 * 20)
+    p.add_argument("--warp", action="store_true", help="part 3: MuJoCo Warp HalfCheetah at mjlab's settings")
+    p.add_argument("--warp-steps", type=int, default=4096 * 24 * 60)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launcher run")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {"device": name, "torch": torch.__version__, "machine": machine_info(),
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    print(f"[gpu_pipeline] {name}: update, {args.envs} envs x {args.steps} steps, {args.epochs} epochs", flush=True)
+    result["update"] = part_update(args, device)
+    fastest = {m: sum(r.get(f"{m}_ms", math.inf) for r in result["update"]) for m in args.modes}
+    mode = args.pipeline_mode or min(fastest, key=fastest.get)
+    if args.pipeline:
+        print(f"[gpu_pipeline] pipeline, learner.compile {mode}", flush=True)
+        result["pipeline"] = part_pipeline(args, device, mode)
+    if args.warp:
+        print(f"[gpu_pipeline] MuJoCo Warp HalfCheetah, learner.compile {mode}", flush=True)
+        try:
+            result["warp"] = part_warp(args, device, mode)
+        except BenchmarkError as e:
+            result["warp"] = {"error": str(e)[-600:]}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
