@@ -128,7 +128,7 @@ def time_floor(raw: dict, device: torch.device, n: int, repeats: int, capture: b
     run = step
     if capture:
         for g in opt.param_groups:
-            g["lr"] = torch.tensor(float(g["lr"]), device=device)
+            g["lr"], g["capturable"] = torch.tensor(float(g["lr"]), device=device), True
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

@@ -19,7 +19,7 @@ from shared import keys
 from shared.keys import MASK
 from shared.config import PPOConfig
 from shared.policies import make_policy
-from tests.test_staleness import _rollout, _vla_learner
+from tests.test_staleness import _rollout, _vla_learner, _weights_after_stale_updates
 
 
 def _stale_update(tmp_path, monkeypatch, lag=3, **algo):
@@ -420,11 +420,6 @@ def test_advantages_every_epoch_with_one_epoch_is_the_same_update(tmp_path):
     weights = []
     for every in ("update", "epoch"):
         cfg, learner = _vla_learner(tmp_path / every, correction="appo", advantages_every=every, n_epochs=1)
-        n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
-        td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
-        for _ in range(3):
-            learner.ingest(td.clone(), meta)
-            learner.update_once(*learner.take_batch(timeout_s=0))
-        weights.append({k: v.clone() for k, v in learner.policy.state_dict().items()})
+        weights.append(_weights_after_stale_updates(cfg, learner, 3))
     for k in weights[0]:
         assert torch.equal(weights[0][k], weights[1][k]), k

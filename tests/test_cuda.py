@@ -225,7 +225,8 @@ def test_graph_mode_equals_eager_on_the_device(form):
     """learner.compile "graph" on CUDA: the minibatch step captured once per minibatch size and
     replayed, against the eager loop on the same device: the same steps taken, and the weights equal
     to rounding (cuBLAS may pick other kernels inside a capture). A learning rate changed between
-    updates reaches the captured step (a device tensor, filled in place)."""
+    updates reaches the captured step (a device tensor, filled in place), and so do the observation
+    normaliser's statistics (updated in place after every update, never read from a stale copy)."""
     from learner.fast_epochs import MinibatchStep
     from learner.learner import make_optimizer
     from learner.ppo import ppo_update
@@ -252,6 +253,7 @@ def test_graph_mode_equals_eager_on_the_device(form):
                 else:
                     g["lr"] = lr
             stats.append(ppo_update(policy, opt, td, cfg, gen, renormalize=renormalize, proximal=prox, step=step))
+            policy.update_normalizer(td[keys.OBS] * (update + 2))   # as the learner does: in place, between replays
         results.append(({k: v.cpu() for k, v in policy.state_dict().items()}, stats, step))
     (w0, s0, _), (w1, s1, step) = results
     if DEV.startswith("cuda"):

@@ -208,21 +208,16 @@ def test_modes_are_resolved_with_the_reason_for_a_fallback():
 def test_a_learner_in_graph_mode_trains_what_an_eager_learner_trains(tmp_path):
     """The whole learner (vla mode, vtrace refreshed before every epoch, annealed learning rate)
     with learner.compile "graph" on the CPU: the same weights as "off" after three updates."""
-    from tests.test_staleness import _rollout, _vla_learner
+    from learner.learner import make_algorithm
+    from tests.test_staleness import _vla_learner, _weights_after_stale_updates
     weights = []
     for mode in ("off", "graph"):
         cfg, learner = _vla_learner(tmp_path / mode, correction="vtrace", advantages_every="epoch", n_epochs=3)
         cfg.learner.compile = mode   # read when the algorithm is made: rebuild it
-        from learner.learner import make_algorithm
         learner.algorithm = make_algorithm(cfg, learner.spec, learner.policy, learner.optimizer, learner.generator,
                                            learner.device, learner.k, learner.stats.count, learner.cpu)
         assert (learner.algorithm.step is None) == (mode == "off")
-        n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
-        td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
-        for _ in range(3):
-            learner.ingest(td.clone(), meta)
-            learner.update_once(*learner.take_batch(timeout_s=0))
-        weights.append({k: v.clone() for k, v in learner.policy.state_dict().items()})
+        weights.append(_weights_after_stale_updates(cfg, learner, 3))
     _assert_close_states(weights[0], weights[1], 0)
 
 

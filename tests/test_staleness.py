@@ -49,6 +49,17 @@ def _rollout(cfg, learner, versions: torch.Tensor):
     return td, meta
 
 
+def _weights_after_stale_updates(cfg, learner, updates: int) -> dict[str, torch.Tensor]:
+    """The learner's weights after `updates` updates, each on the same version-0 rollout (stale
+    from the second on)."""
+    n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
+    td, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
+    for _ in range(updates):
+        learner.ingest(td.clone(), meta)
+        learner.update_once(*learner.take_batch(timeout_s=0))
+    return {k: v.clone() for k, v in learner.policy.state_dict().items()}
+
+
 def test_versions_jsonl_lag_numbers_match_the_versions_used(tmp_path):
     cfg, learner = _vla_learner(tmp_path)
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size

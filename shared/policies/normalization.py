@@ -58,7 +58,11 @@ class ObsNormalizer(RunningMeanStd):
     def _moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Acting calls this on every env step with statistics that change once per version: the
         # float64 -> float32 conversion is cached until an in-place update (the learner's update,
-        # a weights load) bumps the buffers' version counters.
+        # a weights load) bumps the buffers' version counters. A CUDA graph being captured
+        # (learner.compile "graph") must read the statistics themselves, not a cached copy: they
+        # change in place between its replays, and the copy would not.
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.mean.to(x.dtype), (self.var + self.eps).sqrt().to(x.dtype)
         key = (self.mean._version, self.var._version, self.mean.data_ptr(), x.dtype, x.device)
         if self._cache is None or self._cache[0] != key:
             mean = self.mean.to(x.dtype)
