@@ -433,6 +433,34 @@ def test_a_killed_learners_ring_file_is_removed_by_the_launcher(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_killed_actor_is_replaced_and_its_new_life_sends_through_the_ring(tmp_path):
+    """vla mode with one slot per actor: a replaced actor must get its slot back (freed at attach if
+    it was being written, by the learner at the new epoch if it was ready) or it could never send."""
+    from tests.test_faults import _procs, _publish_count, _stop
+    from tests.test_integration import consumes, launch, read_jsonl
+    run_dir = tmp_path / "run"
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
+                 "--set", "trainer.buffer_type=vla", "--set", "actors.rollout_transport=ring",
+                 "--set", "actors.rollout_ring_slots=1", name="restart")
+    try:
+        assert run.wait(120, until=lambda: _publish_count(run_dir) >= 3) is None, run.output()
+        victim, = _procs(run, "--actor-id 1")
+        victim.kill()
+        killed_at = time.time()
+
+        def new_life_consumed() -> bool:
+            return any(e["actor"] == 1 and e["seq"] == 0 and e["time"] > killed_at
+                       for e in consumes(read_jsonl(run_dir / "versions.jsonl")))
+
+        assert run.wait(90, until=new_life_consumed) is None, run.output()
+        _stop(run, run_dir)
+    finally:
+        run.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rejected"] == 0, summary
+
+
+@pytest.mark.slow
 def test_standard_mode_trains_the_same_weights_through_the_ring(tmp_path):
     """Fixed seed, standard mode (the learner sorts each batch by actor and seq): the final
     checkpoint is the same to the bit whichever transport carried the rollouts."""
