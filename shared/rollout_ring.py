@@ -71,7 +71,7 @@ import msgpack
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from shared.shm_weights import ALIGN, SHM_DIR, _align, _is_uint, _layout
+from shared.shm_weights import SHM_DIR, _align, _is_uint, _layout
 from shared.wire import WireError
 
 MAGIC = 0x54414E44454D5252          # "TANDEMRR"
