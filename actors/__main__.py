@@ -44,10 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from actors.actor import run_actor_process
     from shared.security import KeyFileError
+    from shared.wire import WireError
     try:
         return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
                                  learner_timeout_s=args.learner_timeout, lock_dir=path.parent)
     except KeyFileError as e:
+        print(f"actor {args.actor_id}: {e}", file=sys.stderr)
+        return 2
+    except WireError as e:   # actors.rollout_transport "ring": no ring, or not this run's (shared/rollout_ring.py)
         print(f"actor {args.actor_id}: {e}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 import zmq
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from actors.emulated_device import device_for
 from actors.rollout import Collector, sends_bootstrap_obs
@@ -26,7 +26,8 @@ from shared import wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
-from shared.rollout import RolloutMeta, actor_seed, group_seeds
+from shared.rollout import RolloutMeta, actor_seed, group_seeds, rollout_template
+from shared.rollout_ring import RingFull, RingProducer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
@@ -53,7 +54,8 @@ class Actor:
 
     def __init__(self, cfg: Config, actor_id: int, weights: WeightsSource, sink: RolloutSink,
                  device: str | None = None, stop_event: threading.Event | None = None,
-                 learner_timeout_s: float = 120.0, lock_dir: str | Path | None = None):
+                 learner_timeout_s: float = 120.0, lock_dir: str | Path | None = None,
+                 rollout_ring: str | None = None):
         self.cfg, self.actor_id = cfg, actor_id
         self.device = torch.device(device or cfg.actors.devices[actor_id % len(cfg.actors.devices)])
         self.weights, self.sink = weights, sink
@@ -76,6 +78,18 @@ class Actor:
                                    inference_latency_per_env_s=cfg.actors.inference_latency_per_env_s,
                                    device_lock=self.emulated_device,
                                    bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
+        # actors.rollout_transport "ring": rollouts go into our slots of the learner's ring, the message
+        # carries only the header (shared/rollout_ring.py); the file is checked here, before any rollout
+        self.ring = None
+        if cfg.actors.rollout_transport == "ring":
+            if rollout_ring is None:
+                raise wire.WireError("actors.rollout_transport is \"ring\", but the learner's endpoints name no rollout "
+                                 "ring (is the learner's config the same, and is it on this host?)")
+            with_value = has_critic(self.policy)
+            template = rollout_template(self.env.spec, cfg.actors.num_envs, cfg.trainer.buffer_size,
+                                        with_value=with_value, with_bootstrap_obs=sends_bootstrap_obs(cfg, with_value))
+            self.ring = RingProducer(rollout_ring, actor_id, cfg.actors.num_actors, cfg.actors.rollout_ring_slots,
+                                     template)
         self.version = -1          # no weights yet
         self.seq = 0
         self._trackers: list[zmq.MessageTracker | None] = [None, None]
@@ -203,13 +217,20 @@ class Actor:
         meta = RolloutMeta.of(self.actor_id, self.seq, stats, policy_version=self.version,
                               incarnation=self.incarnation, env_steps=rollout.numel(), base_digest=self.base_digest,
                               synced=self._synced, time=time.time())
-        frames = wire.encode(rollout, **meta.to_meta())
+        if self.ring is not None:
+            header = self._to_ring(rollout)
+            if header is None:
+                return False
+            frames = wire.encode(TensorDict({}, batch_size=[]), **meta.to_meta(), ring=header)
+        else:
+            frames = wire.encode(rollout, **meta.to_meta())
         self._synced = []
         deadline = time.monotonic() + self.learner_timeout_s
         while not self.stop_event.is_set():
             tracker = self.sink.send(frames, timeout_ms=100)
             if tracker is not None:
-                self._trackers[index] = tracker
+                # with the ring, the header's frame is our own bytes: the rollout storage is free at once
+                self._trackers[index] = tracker if self.ring is None else None
                 self.seq += 1
                 return True
             if not self._poll(0):
@@ -217,6 +238,24 @@ class Actor:
             if time.monotonic() > deadline:
                 return self._give_up("the learner has not taken a rollout")
         return False
+
+    def _to_ring(self, rollout: TensorDictBase) -> dict | None:
+        """Copy `rollout` into a free slot of our ring and return its header; None on stop, or
+        when no slot came free for `learner_timeout_s` (we then give up, as for an unreachable learner)."""
+        try:
+            slot = self.ring.claim(self.learner_timeout_s, should_stop=lambda: self.stop_event.is_set()
+                                   or not self._poll(0))
+        except RingFull:
+            self._give_up("no rollout ring slot came free (the learner released none)")
+            return None
+        except RuntimeError as e:   # another actor attached to our ring: ours is no longer ours to write
+            log.error("actor %d: %s; exiting", self.actor_id, e)
+            self.failed = True
+            self.stop_event.set()
+            return None
+        if slot is None:
+            return None
+        return self.ring.write(slot, rollout)
 
     def _group_seeds(self) -> list[int] | None:
         return group_seeds(self.cfg, self.actor_id, self.seq)
@@ -317,6 +356,8 @@ class Actor:
 
     def close(self) -> None:
         self._shm.close()
+        if self.ring is not None:
+            self.ring.close()
         self.env.close()
         if self.emulated_device is not None:
             self.emulated_device.close()
@@ -344,7 +385,8 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
     actor = None
     try:
         actor = Actor(cfg, actor_id, sub, push, device=device, stop_event=stop,
-                      learner_timeout_s=learner_timeout_s, lock_dir=lock_dir)
+                      learner_timeout_s=learner_timeout_s, lock_dir=lock_dir,
+                      rollout_ring=endpoints.get("rollout_ring"))
         return actor.run()
     finally:
         if actor is not None:

@@ -130,10 +130,13 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
     kill -0 "$p" 2>/dev/null && is_my_child "$p" && kill -KILL "$p" 2>/dev/null   # a pid seen gone may be someone else's by now
   done
   TEE_PIDS=()
-  # A killed learner cannot remove its endpoints file or its shared-memory weights (weights_transport "shm").
+  # A killed learner cannot remove its endpoints file, its shared-memory weights (weights_transport
+  # "shm") or its rollout ring (actors.rollout_transport "ring").
   if [[ -f "$OUT/endpoints.json" ]]; then
     shm="$(sed -n 's/.*"shm": *"\([^"]*\)".*/\1/p' "$OUT/endpoints.json")"
-    [[ "$shm" == /dev/shm/tandem-* ]] && rm -f "$shm"
+    [[ "$shm" == /dev/shm/tandem-*.weights ]] && rm -f "$shm"
+    ring="$(sed -n 's/.*"rollout_ring": *"\([^"]*\)".*/\1/p' "$OUT/endpoints.json")"
+    [[ "$ring" == /dev/shm/tandem-*.rollouts ]] && rm -f "$ring"
     rm -f "$OUT/endpoints.json"
   fi
 }

@@ -146,6 +146,7 @@ class Intake:
         self.expected = {k: (v.shape, v.dtype) for k, v in template.items(include_nested=True, leaves_only=True)}
         self.logp_low, self.logp_high = log_prob_bounds(spec, template[keys.LOG_PROB].dtype)
         self.max_frame_bytes, self.max_message_bytes = message_limits(template)
+        self.ring = None     # a shared.rollout_ring.RolloutRing (actors.rollout_transport "ring"), set by the process
 
     # ------------------------------------------------------------------ the total entry point
     def handle(self, frames: list, sender: str, socket: str = "rollouts") -> bool:
@@ -160,6 +161,15 @@ class Intake:
             self.note_malformed(sender, f"{type(e).__name__} while decoding: {e}")
             return False
         who = f"{sender} (actor {meta.get('actor')!r})" if "actor" in meta else sender
+        if socket != "eval" and "ring" in meta:
+            try:   # a header only: the tensors wait in the actor's ring slot (shared/rollout_ring.py)
+                td = self.from_ring(td, meta)
+            except wire.WireError as e:
+                self.note_malformed(who, str(e))
+                return False
+            except Exception as e:   # a bug on a bad header must not kill the thread
+                self.note_malformed(who, f"{type(e).__name__} while reading the rollout ring: {e}")
+                return False
         try:
             if socket == "eval":
                 self.eval_result(meta)
@@ -173,6 +183,23 @@ class Intake:
             if self.counters.counts["rejected"] <= 3:
                 log.exception("unexpected error while ingesting a message from %s", who)
         return False
+
+    def from_ring(self, td: TensorDictBase, meta: dict) -> TensorDictBase:
+        """The rollout a ring header names, copied out of its slot (which is released): the checks
+        of :meth:`rollout` then run on the learner's own copy. Raises WireError."""
+        if self.ring is None:
+            raise wire.WireError("a rollout ring header, but this learner has no ring (actors.rollout_transport "
+                                 "differs between the actor's config and the learner's)")
+        if not td.is_empty():
+            raise wire.WireError("a rollout ring header must carry no tensors")
+        return self.ring.take(meta.get("actor"), meta["ring"])
+
+    def idle(self) -> None:
+        """Called by the receiver thread at every turn: free the ring slots that dead actors left."""
+        if self.ring is not None:
+            freed = self.ring.reclaim()
+            if freed:
+                log.info("freed %d rollout ring slot(s) left ready by an actor that restarted", freed)
 
     # ------------------------------------------------------------------ evaluation results
     def eval_result(self, meta: dict) -> None:

@@ -66,6 +66,7 @@ def _receive_loop(learner: Learner, socks: dict[str, zmq.Socket], stop: threadin
             for sock, _ in poller.poll(50):
                 frames = sock.recv_multipart(copy=False)
                 learner.intake.handle(frames, _sender(frames), names[sock])
+            learner.intake.idle()
     except zmq.ContextTerminated:
         pass
     except BaseException as e:    # noqa: BLE001 - reported by the main loop, which exits non-zero
@@ -118,6 +119,7 @@ class LearnerRun:
         self.learner.curve = self.curve
         self.learner.stop_requested = self.stop.is_set   # a signal cuts a long update short
         self._bind_receivers()
+        self._open_ring()
         self._write_endpoints()
         ranks = self.ranks
         say(f"[learner{f' rank {ranks.rank}/{ranks.world}' if ranks else ''}] run dir {self.run_dir} | rollouts "
@@ -166,6 +168,20 @@ class LearnerRun:
             self.eval_token = secrets.token_hex(16)
             intake.eval_token = self.eval_token
 
+    def _open_ring(self) -> None:
+        """actors.rollout_transport "ring": the actors' rollout slots, owned by this process."""
+        self.ring = None
+        if self.cfg.actors.rollout_transport != "ring":
+            return
+        import hashlib
+
+        from shared.rollout_ring import RolloutRing, default_path
+        tag = hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
+        device = self.learner.device if self.learner.device.type == "cuda" else "cpu"
+        self.ring = RolloutRing(self.learner.template, self.cfg.actors.num_actors, self.cfg.actors.rollout_ring_slots,
+                                default_path(tag), device)
+        self.learner.intake.ring = self.ring
+
     def _write_endpoints(self) -> None:
         extra: dict[str, Any] = {}
         if self.ranks is not None:   # every rank's rollouts address, in rank order, for the actors
@@ -173,6 +189,8 @@ class LearnerRun:
             extra["rollouts_by_rank"] = [f"tcp://{self.cfg.learner.host}:{p}" for p in ports]
         if self.learner.shm_writer is not None:   # so that the launcher can remove it if this process is killed
             extra["shm"] = str(self.learner.shm_writer.path)
+        if self.ring is not None:      # where actors find their ring (and the launcher what to remove)
+            extra["rollout_ring"] = str(self.ring.path)
         if self.main:
             write_endpoints(self.run_dir, **self.endpoints, **extra)
 
@@ -362,6 +380,8 @@ class LearnerRun:
         for close in (self.logger.close, lambda: time.sleep(0.2),   # let the stop messages leave
                       self.publisher.close, *[lambda s=s: s.close(linger=0) for s in self.socks.values()],
                       lambda: self.learner.shm_writer and self.learner.shm_writer.close(),
+                      # a receiver thread that did not stop in time may still read the ring: then only unlink
+                      lambda: self.ring and self.ring.close(unmap=not self.receiver.is_alive()),
                       lambda: self.curve and self.curve.stop(), self.ctx.term,
                       lambda: self.main and (self.run_dir / "endpoints.json").unlink(missing_ok=True),
                       lambda: self.ranks and torch.distributed.destroy_process_group()):

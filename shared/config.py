@@ -214,6 +214,14 @@ class ActorsConfig:
     sharing one GPU do. Empty: every actor has a device of its own. Real CUDA actors need none of it."""
     slow_actor_ids: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
+    rollout_transport: Literal["zmq", "ring"] = "zmq"
+    """How rollouts reach the learner. zmq: in the rollout message (any host). ring: each actor
+    writes into a ring of preallocated rollout slots that the learner owns on this host (a
+    /dev/shm file, or its CUDA memory shared by IPC with a CUDA learner) and the message carries
+    only the header (shared/rollout_ring.py). One host only: refused with CURVE, a learner.host
+    other than loopback, or several learner ranks."""
+    rollout_ring_slots: Annotated[int, Range(ge=1, le=1024)] = 4
+    """ring: rollout slots per actor; an actor whose slots all wait for the learner waits too."""
     curve_secret_key: str = ""
     """CURVE: this actor host's secret certificate (its public half must be in the learner's
     curve_authorized_keys)."""
@@ -709,6 +717,17 @@ def _check(cfg: Config) -> list[str]:
         if le.weights_transport == "shm":
             errors.append("actors.weights_lag_versions: cannot be combined with learner.weights_transport \"shm\" "
                           "(the ring keeps only learner.shm_slots versions)")
+    if a.rollout_transport == "ring":
+        # the ring lives in this host's memory: refuse it wherever an actor could be on another host
+        why = [w for w, bad in (
+            (f"learner.host is {le.host!r} (actors may connect from other hosts; use 127.0.0.1)",
+             le.host not in ("127.0.0.1", "localhost", "::1")),
+            ("CURVE is on (learner.curve_secret_key / actors.curve_secret_key: actors on other hosts)",
+             bool(le.curve_secret_key or a.curve_secret_key)),
+            (f"learner.devices has {len(le.devices)} ranks (one ring owner only)", len(le.devices) > 1)) if bad]
+        if why:
+            errors.append("actors.rollout_transport: \"ring\" needs every actor on the learner's host and one "
+                          "learner rank, but " + "; and ".join(why) + "; use \"zmq\"")
     if bool(le.curve_secret_key) != bool(le.curve_authorized_keys):
         errors.append("learner.curve_secret_key / learner.curve_authorized_keys: set both (CURVE on) or neither")
     if bool(a.curve_secret_key) != bool(a.curve_server_key):

@@ -58,6 +58,8 @@ def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
             out = {"rollouts": data["rollouts"], "weights": data["weights"]}
             if isinstance(data.get("rollouts_by_rank"), list) and data["rollouts_by_rank"]:
                 out["rollouts_by_rank"] = [str(x) for x in data["rollouts_by_rank"]]
+            if isinstance(data.get("rollout_ring"), str):   # actors.rollout_transport "ring"
+                out["rollout_ring"] = data["rollout_ring"]
             return out
         except (FileNotFoundError, json.JSONDecodeError, KeyError):
             if time.monotonic() > deadline:
