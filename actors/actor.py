@@ -26,8 +26,8 @@ from shared import wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
-from shared.rollout import RolloutMeta, actor_seed, group_seeds, rollout_template
-from shared.rollout_ring import RingFull, RingProducer
+from shared.rollout import RolloutMeta, actor_seed, group_seeds
+from shared.rollout_ring import RingFull, attach_producer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.shm_weights import ShmWeightsReader, load_published_
@@ -42,6 +42,15 @@ class WeightsSource(Protocol):
 
 class RolloutSink(Protocol):
     def send(self, frames: list, timeout_ms: int) -> zmq.MessageTracker | None: ...
+
+
+def max_inflight(cfg: Config) -> int:
+    """lag_policy "pace": an actor's rollouts unconsumed at the learner, at most. Enough in flight
+    that the learner always has a full batch (n x ceil(k/n) >= k), no more than the lag allows, and
+    no more than the learner's buffer holds (or pacing would still end in overwrites)."""
+    k, n = cfg.rollouts_per_update, cfg.actors.num_actors
+    capacity = max(cfg.trainer.buffer_capacity, k)
+    return max(math.ceil(k / n), min(math.ceil(max(1, cfg.trainer.max_policy_lag) * k / n), capacity // n))
 
 
 class Actor:
@@ -80,16 +89,7 @@ class Actor:
                                    bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
         # actors.rollout_transport "ring": rollouts go into our slots of the learner's ring, the message
         # carries only the header (shared/rollout_ring.py); the file is checked here, before any rollout
-        self.ring = None
-        if cfg.actors.rollout_transport == "ring":
-            if rollout_ring is None:
-                raise wire.WireError("actors.rollout_transport is \"ring\", but the learner's endpoints name no rollout "
-                                 "ring (is the learner's config the same, and is it on this host?)")
-            with_value = has_critic(self.policy)
-            template = rollout_template(self.env.spec, cfg.actors.num_envs, cfg.trainer.buffer_size,
-                                        with_value=with_value, with_bootstrap_obs=sends_bootstrap_obs(cfg, with_value))
-            self.ring = RingProducer(rollout_ring, actor_id, cfg.actors.num_actors, cfg.actors.rollout_ring_slots,
-                                     template)
+        self.ring = attach_producer(cfg, self.env.spec, has_critic(self.policy), actor_id, rollout_ring)
         self.version = -1          # no weights yet
         self.seq = 0
         self._trackers: list[zmq.MessageTracker | None] = [None, None]
@@ -107,15 +107,8 @@ class Actor:
         self.incarnation: str | None = None          # the learner life whose weights we hold
         self._shm = ShmWeightsReader()                # maps the learner's ring when weights come that way
         self._torn = False                           # the policy holds a torn copy: never act with it
-        t = cfg.trainer
-        k = cfg.rollouts_per_update
-        n = cfg.actors.num_actors
-        # Enough in flight that the learner always has a full batch (n x ceil(k/n) >= k), no more
-        # than the lag allows, and no more than the learner's buffer holds (or pacing would still
-        # end in overwrites).
-        capacity = max(t.buffer_capacity, k)
-        self.max_inflight = max(math.ceil(k / n), min(math.ceil(max(1, t.max_policy_lag) * k / n), capacity // n))
-        self.pace = t.buffer_type == "vla" and t.lag_policy == "pace"
+        self.max_inflight = max_inflight(cfg)
+        self.pace = cfg.trainer.buffer_type == "vla" and cfg.trainer.lag_policy == "pace"
         # in-flight weight updates: vla mode only (standard mode trains each version on its own data)
         self.in_flight = weights_at(cfg) == "step"
 
@@ -257,9 +250,6 @@ class Actor:
             return None
         return self.ring.write(slot, rollout)
 
-    def _group_seeds(self) -> list[int] | None:
-        return group_seeds(self.cfg, self.actor_id, self.seq)
-
     def _between_steps(self) -> bool:
         """Asked between env steps: True to abandon the rollout (stop signal or stop message).
         With ``weights_at: rollout``, weights that arrive mid-rollout wait for the next rollout
@@ -335,7 +325,8 @@ class Actor:
             self._synced.append([self.version, self._received_at, time.time()])
             self._new_version = False
         self._wait_storage_free(self.collector.next_index)
-        out = self.collector.collect(self.version, reset_seeds=self._group_seeds(), should_stop=self._between_steps,
+        seeds = group_seeds(self.cfg, self.actor_id, self.seq)
+        out = self.collector.collect(self.version, reset_seeds=seeds, should_stop=self._between_steps,
                                      refresh=self._refresh if self.in_flight else None)
         if out is None:
             return False

@@ -116,7 +116,7 @@ class MinibatchStep:
             raise ValueError("MinibatchStep: a side loss (learner.critic_thread) needs learner.compile \"off\"")
         if self.capture:   # a captured step reads the learning rate from the device (annealing fills it)
             for g in self.optimizer.param_groups:
-                g["capturable"] = True   # torch refuses to capture step() otherwise (fused keeps its state on the device)
+                g["capturable"] = True   # torch refuses to capture step() otherwise
                 if not torch.is_tensor(g["lr"]):
                     g["lr"] = torch.tensor(float(g["lr"]), device=self.device)
                     self._graphs.clear()

@@ -74,8 +74,8 @@ def make_algorithm(cfg: Config, spec: EnvSpec, policy: torch.nn.Module, optimize
                    generator: torch.Generator, device: torch.device, k: int, count, cpu: CpuThreads, ranks=None):
     """The run's :class:`PPO` or :class:`GRPO`, for a learner rank that trains on `k` rollouts per update."""
     a = cfg.algorithm.cfg
-    mode, why = resolve_mode(cfg.learner.compile, device, capturable_policy(policy) and bool(optimizer.defaults.get("fused")),
-                             ranks)
+    capturable = capturable_policy(policy) and bool(optimizer.defaults.get("fused"))
+    mode, why = resolve_mode(cfg.learner.compile, device, capturable, ranks)
     if why:
         log.warning(why)
     step = MinibatchStep(mode, policy, optimizer, a.max_grad_norm) if mode != "off" else None
@@ -279,7 +279,8 @@ class Learner:
         self.stats.add_times(update_wall_s=update_s, update_cpu_s=update_cpu_s)
         self.update_log.update(stats, lags, update_s, update_cpu_s, version=self.version, updates=self.updates,
                                learning_rate=float(self.optimizer.param_groups[0]["lr"]), buffer_fill=len(self.batcher),
-                               wait_s=self.batcher.wait_s, auth_refused=self.curve.refused if self.curve is not None else None)
+                               wait_s=self.batcher.wait_s,
+                               auth_refused=self.curve.refused if self.curve is not None else None)
         self.batcher.wait_s = 0.0
         return stats
 

@@ -10,6 +10,7 @@ main loop notices within one turn and the process exits non-zero with the reason
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -86,6 +87,7 @@ class LearnerRun:
         self.eval_proc = None
         self.video_frames_pending = 0             # deferred video frames the evaluator renders after the final eval
         self.held = None                          # several ranks: this rank's batch, waiting for the others
+        self.ring = None                          # actors.rollout_transport "ring": the rollout slots
 
     # ================================================================ setup
     @classmethod
@@ -119,7 +121,7 @@ class LearnerRun:
         self.learner.curve = self.curve
         self.learner.stop_requested = self.stop.is_set   # a signal cuts a long update short
         self._bind_receivers()
-        self._open_ring()
+        self.ring = open_rollout_ring(self.cfg, self.learner, self.run_dir)
         self._write_endpoints()
         ranks = self.ranks
         say(f"[learner{f' rank {ranks.rank}/{ranks.world}' if ranks else ''}] run dir {self.run_dir} | rollouts "
@@ -167,20 +169,6 @@ class LearnerRun:
             self.socks["eval"] = ev
             self.eval_token = secrets.token_hex(16)
             intake.eval_token = self.eval_token
-
-    def _open_ring(self) -> None:
-        """actors.rollout_transport "ring": the actors' rollout slots, owned by this process."""
-        self.ring = None
-        if self.cfg.actors.rollout_transport != "ring":
-            return
-        import hashlib
-
-        from shared.rollout_ring import RolloutRing, default_path
-        tag = hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
-        device = self.learner.device if self.learner.device.type == "cuda" else "cpu"
-        self.ring = RolloutRing(self.learner.template, self.cfg.actors.num_actors, self.cfg.actors.rollout_ring_slots,
-                                default_path(tag), device)
-        self.learner.intake.ring = self.ring
 
     def _write_endpoints(self) -> None:
         extra: dict[str, Any] = {}
@@ -354,23 +342,11 @@ class LearnerRun:
             proc.join(timeout=1)
 
     def _write_summary(self, exit_code: int) -> int:
-        learner, ranks = self.learner, self.ranks
         if self.receiver_died and exit_code == 0:
             exit_code = 1
-        summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
-                   "updates": learner.updates, "start_time": learner.start_time,
-                   "wall_s": time.time() - learner.start_time, **learner.counts,
-                   "learner_threads": self.threads, **{f"time/{k}": round(v, 3) for k, v in learner.time_totals.items()},
-                   "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
-                   **({f"last_eval/{k.removeprefix('eval/')}": v for k, v in learner.last_eval.items()}
-                      if learner.last_eval else {}),
-                   **({f"best/{k}": v for k, v in learner.best_eval.items()} if learner.best_eval else {}),
-                   "incarnation": learner.incarnation,
-                   "resumed_from": str(learner.resumed_from) if learner.resumed_from else None,
-                   "exit_code": exit_code, "stopped_by": self.reason[0] if self.reason else None}
-        if ranks is not None:
-            summary.update(rank=ranks.rank, world=ranks.world, env_steps_this_rank=learner.env_steps)
-        name = "summary.json" if self.main else f"summary.rank{ranks.rank}.json"
+        summary = run_summary(self.learner, self.threads, exit_code, self.reason[0] if self.reason else None,
+                              self.ranks)
+        name = "summary.json" if self.main else f"summary.rank{self.ranks.rank}.json"
         tmp = self.run_dir / (name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.run_dir / name)
@@ -389,6 +365,37 @@ class LearnerRun:
                 close()
             except Exception:
                 log.exception("closing the learner's resources")
+
+
+def run_summary(learner: Learner, threads: int, exit_code: int, stopped_by: str | None, ranks) -> dict[str, Any]:
+    """``summary.json``: the run's final counters, times, last and best evaluation, and how it ended."""
+    summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
+               "updates": learner.updates, "start_time": learner.start_time,
+               "wall_s": time.time() - learner.start_time, **learner.counts,
+               "learner_threads": threads, **{f"time/{k}": round(v, 3) for k, v in learner.time_totals.items()},
+               "first_rollout_time": learner.first_rollout_time, "last_rollout_time": learner.last_rollout_time,
+               **({f"last_eval/{k.removeprefix('eval/')}": v for k, v in learner.last_eval.items()}
+                  if learner.last_eval else {}),
+               **({f"best/{k}": v for k, v in learner.best_eval.items()} if learner.best_eval else {}),
+               "incarnation": learner.incarnation,
+               "resumed_from": str(learner.resumed_from) if learner.resumed_from else None,
+               "exit_code": exit_code, "stopped_by": stopped_by}
+    if ranks is not None:
+        summary.update(rank=ranks.rank, world=ranks.world, env_steps_this_rank=learner.env_steps)
+    return summary
+
+
+def open_rollout_ring(cfg: Config, learner: Learner, run_dir: Path):
+    """actors.rollout_transport "ring": the actors' rollout slots (shared/rollout_ring.py), owned by
+    the learner process, handed to its intake; None with "zmq"."""
+    if cfg.actors.rollout_transport != "ring":
+        return None
+    from shared.rollout_ring import RolloutRing, default_path
+    tag = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    device = learner.device if learner.device.type == "cuda" else "cpu"
+    ring = RolloutRing(learner.template, cfg.actors.num_actors, cfg.actors.rollout_ring_slots, default_path(tag), device)
+    learner.intake.ring = ring
+    return ring
 
 
 def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evaluator: bool = True,

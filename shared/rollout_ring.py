@@ -298,6 +298,20 @@ def _open_cuda_handle(blob: bytes, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
+def attach_producer(cfg, spec, with_value: bool, actor_id: int, path: str | None) -> RingProducer | None:
+    """An actor's :class:`RingProducer` for ``actors.rollout_transport: "ring"`` (None with "zmq"),
+    attached to the ring at `path` (from the learner's endpoints), for this run's rollout layout."""
+    if cfg.actors.rollout_transport != "ring":
+        return None
+    if path is None:
+        raise WireError("actors.rollout_transport is \"ring\", but the learner's endpoints name no rollout "
+                        "ring (is the learner's config the same, and is it on this host?)")
+    from shared.rollout import rollout_template, sends_bootstrap_obs
+    template = rollout_template(spec, cfg.actors.num_envs, cfg.trainer.buffer_size, with_value=with_value,
+                                with_bootstrap_obs=sends_bootstrap_obs(cfg, with_value))
+    return RingProducer(path, actor_id, cfg.actors.num_actors, cfg.actors.rollout_ring_slots, template)
+
+
 class RingProducer(_Mapped):
     """An actor's side: attaches to its ring in the learner's file, claims, fills and hands over slots.
 

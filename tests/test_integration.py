@@ -261,28 +261,34 @@ def assert_update_metrics(metrics: list[dict], updates: int) -> list[dict]:
     return lines
 
 
+def run_to_the_end(run: Started, run_dir: Path) -> list[dict]:
+    """Wait for a launched run to exit 0 and leave nothing behind; returns ``endpoints.json`` as seen
+    while the run went (it lives only while the learner runs), or [] if it never was."""
+    seen: list[dict] = []
+
+    def grab() -> None:
+        if not seen:
+            try:
+                seen.append(json.loads((run_dir / "endpoints.json").read_text()))
+            except (OSError, ValueError):
+                pass
+    try:
+        rc = run.wait(RUN_TIMEOUT_S, every=grab)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+    return seen
+
+
 # ============================================================================ tests
 
 @pytest.mark.slow
 def test_run_local_two_actors_versions(tmp_path):
     run_dir = tmp_path / "run"
-    seen_endpoints: list[dict] = []
-
-    def grab_endpoints() -> None:   # endpoints.json lives only while the learner runs
-        if not seen_endpoints:
-            try:
-                seen_endpoints.append(json.loads((run_dir / "endpoints.json").read_text()))
-            except (OSError, ValueError):
-                pass
-
     run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "6000", "--set", "trainer.eval_freq=2000",
                  "--set", "trainer.keep_best=true", "--set", 'trainer.eval_seeds="same"', probe_python=True)
-    try:
-        rc = run.wait(RUN_TIMEOUT_S, every=grab_endpoints)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    seen_endpoints = run_to_the_end(run, run_dir)
 
     # endpoints.json: written at start-up, removed at a clean exit; the learner logs the same addresses.
     assert seen_endpoints, "endpoints.json was never seen while the run was going"

@@ -363,24 +363,9 @@ def _ring_files() -> set[str]:
 
 
 def _launch(tmp_path: Path, name: str, *args: str):
-    from tests.test_integration import RUN_TIMEOUT_S, launch
+    from tests.test_integration import launch, run_to_the_end
     out = tmp_path / name
-    run = launch(tmp_path, out, *args, name=name)
-    seen: list[dict] = []
-
-    def grab() -> None:
-        if not seen:
-            try:
-                seen.append(json.loads((out / "endpoints.json").read_text()))
-            except (OSError, ValueError):
-                pass
-    try:
-        rc = run.wait(RUN_TIMEOUT_S, every=grab)
-        assert rc == 0, run.output()
-        run.assert_all_gone(out)
-    finally:
-        run.stop()
-    return out, seen
+    return out, run_to_the_end(launch(tmp_path, out, *args, name=name), out)
 
 
 def _digest(run_dir: Path) -> str:
