@@ -62,7 +62,6 @@ import mmap
 import os
 import re
 import secrets
-import stat
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -71,7 +70,7 @@ import msgpack
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from shared.shm_weights import SHM_DIR, _align, _is_uint, _layout
+from shared.shm_weights import SHM_DIR, _align, _is_uint, _layout, map_untrusted
 from shared.wire import WireError
 
 MAGIC = 0x54414E44454D5252          # "TANDEMRR"
@@ -329,18 +328,15 @@ class RingProducer(_Mapped):
         file = Path(path)
         if not (file.is_absolute() and file.parent == _base_dir() and _FILE_NAME.fullmatch(file.name)):
             raise WireError(f"rollout ring: {path[:200]!r} is not a tandem-*.rollouts file in {_base_dir()}")
-        try:   # O_NONBLOCK: a FIFO planted under the name must not block the open
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise WireError(f"rollout ring {path[:200]!r}: cannot open ({e.strerror}; is the learner on this "
-                            f"host? actors.rollout_transport \"ring\" needs it)") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < META_BYTES:
+        header: dict[str, Any] = {}
+
+        def checked_size(fd: int, st: os.stat_result) -> int:
+            """The file's header against this actor's config; the size the header gives."""
+            if st.st_size < META_BYTES:
                 raise WireError(f"rollout ring {path[:200]!r}: not a regular file of at least {META_BYTES} bytes")
             with mmap.mmap(fd, META_BYTES, prot=mmap.PROT_READ) as head:
                 words = torch.frombuffer(bytearray(head[:META_BYTES]), dtype=torch.int64).tolist()
-                blob_all = bytes(head[128:META_BYTES])
+                header.update(words=words, blob=bytes(head[128:META_BYTES]))
             cuda = words[_W_CUDA] == 1
             want = {_W_MAGIC: MAGIC, _W_FORMAT: FORMAT, _W_RINGS: rings, _W_SLOTS: slots,
                     _W_SLOT_BYTES: slot_bytes, _W_DIGEST: layout_digest(self.template)}
@@ -356,13 +352,12 @@ class RingProducer(_Mapped):
             _, _, size = _file_bytes(rings, slots, slot_bytes, cuda)
             if st.st_size != size:
                 raise WireError(f"rollout ring {path[:200]!r}: {st.st_size} bytes, the header gives {size}")
-            mm = mmap.mmap(fd, size)
-        except WireError:
-            raise
-        except (OSError, ValueError, OverflowError) as e:
-            raise WireError(f"rollout ring {path[:200]!r}: cannot map ({e})") from None
-        finally:
-            os.close(fd)
+            return size
+
+        mm = map_untrusted(path, "rollout ring", checked_size, writable=True,
+                           open_hint="; is the learner on this host? actors.rollout_transport \"ring\" needs it")
+        words, blob_all = header["words"], header["blob"]
+        cuda = words[_W_CUDA] == 1
         self._setup(mm, rings, slots, slot_bytes, cuda)
         self.nonce = words[_W_NONCE]
         if cuda:

@@ -39,7 +39,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -55,6 +55,31 @@ MAX_LAYOUT_ENTRIES = 65_536      # tensors in one announcement (a policy's param
 MAX_SLOT_BYTES = 1 << 44         # 16 TiB: bounds the offsets before any arithmetic on them
 _FILE_NAME = re.compile(r"tandem-[A-Za-z0-9_-]+\.weights")   # what default_path makes; no dots, no slashes
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def map_untrusted(path: str, what: str, size_for: Callable[[int, os.stat_result], int], writable: bool,
+                  open_hint: str = "") -> mmap.mmap:
+    """Map the file at `path`, a name from a message or a file: a regular file only (no symlink
+    followed, and O_NONBLOCK, so that a FIFO planted under the name cannot block the open), of the
+    size `size_for(fd, stat)` returns after its own checks. Every failure is a WireError naming
+    `what` and the path (`open_hint` is added when the file cannot be opened)."""
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except (OSError, ValueError) as e:
+        raise WireError(f"{what} {path[:200]!r}: cannot open ({e}){open_hint}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WireError(f"{what} {path[:200]!r}: not a regular file")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, size_for(fd, st), prot=prot)
+    except WireError:
+        raise
+    except (OSError, ValueError, OverflowError) as e:
+        raise WireError(f"{what} {path[:200]!r}: cannot map ({e})") from None
+    finally:
+        os.close(fd)
 
 
 def _align(n: int) -> int:
@@ -256,21 +281,12 @@ class ShmWeightsReader:
         if self._path == path:
             return
         self.close()
-        try:   # O_NONBLOCK: a FIFO planted under the name must not block the open
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except (OSError, ValueError) as e:
-            raise WireError(f"shared-memory weights {path[:200]!r}: cannot open ({e})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+
+        def whole_file(fd: int, st: os.stat_result) -> int:
+            if st.st_size == 0:
                 raise WireError(f"shared-memory weights {path[:200]!r}: not a regular, non-empty file")
-            self._mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
-        except WireError:
-            raise
-        except (OSError, ValueError, OverflowError) as e:
-            raise WireError(f"shared-memory weights {path[:200]!r}: cannot map ({e})") from None
-        finally:
-            os.close(fd)
+            return st.st_size
+        self._mm = map_untrusted(path, "shared-memory weights", whole_file, writable=False)
         # torch.frombuffer wants a writable buffer; the mapping is read-only, so go through numpy.
         import warnings
 
