@@ -20,9 +20,10 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 
 from actors.emulated_device import device_for
+from actors.inference import InferenceStopped, InferenceUnavailable, RemotePolicy, endpoint_path, server_of
 from actors.rollout import Collector, sends_bootstrap_obs
-from actors.weights_gate import weights_gate
-from shared import wire
+from actors.weights_loader import WeightsLoader
+from shared import keys, wire
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
@@ -30,7 +31,6 @@ from shared.rollout import RolloutMeta, actor_seed, group_seeds
 from shared.rollout_ring import RingFull, attach_producer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
-from shared.shm_weights import ShmWeightsReader, load_published_
 from shared.transport import RolloutPusher, WeightsSubscriber
 
 log = logging.getLogger("tandem.actor")
@@ -64,7 +64,7 @@ class Actor:
     def __init__(self, cfg: Config, actor_id: int, weights: WeightsSource, sink: RolloutSink,
                  device: str | None = None, stop_event: threading.Event | None = None,
                  learner_timeout_s: float = 120.0, lock_dir: str | Path | None = None,
-                 rollout_ring: str | None = None):
+                 rollout_ring: str | None = None, remote: RemotePolicy | None = None):
         self.cfg, self.actor_id = cfg, actor_id
         self.device = torch.device(device or cfg.actors.devices[actor_id % len(cfg.actors.devices)])
         self.weights, self.sink = weights, sink
@@ -74,39 +74,43 @@ class Actor:
         torch.manual_seed(seed)
         self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device,
                             tokenizer=instruction_tokenizer(cfg))
-        self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
-        self.base_digest = frozen_digest(self.policy)   # the frozen base it loaded: must be the learner's
+        # actors.inference "server": the policy is the device's inference server (actors/inference.py);
+        # this process only steps its envs, and holds no copy of the model
+        self.remote = remote
+        if remote is not None:
+            self.policy, self.base_digest = remote, remote.base_digest
+            remote.should_stop = self._between_steps
+        else:
+            self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
+            self.base_digest = frozen_digest(self.policy)   # the frozen base it loaded: must be the learner's
         slow = not cfg.actors.slow_actor_ids or actor_id in cfg.actors.slow_actor_ids
         if cfg.actors.emulated_devices and lock_dir is None:
             raise ValueError("actors.emulated_devices needs a directory for the devices' lock files (the run "
                              "directory: give the actor --run-dir or --endpoints)")
         self.emulated_device = device_for(cfg.actors.emulated_devices, actor_id, lock_dir or ".")
+        local = remote is None   # a server applies the emulated latency to its batches itself
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=seed,
                                    step_delay_s=cfg.actors.slowdown_s if slow else 0.0,
-                                   inference_latency_s=cfg.actors.inference_latency_s,
-                                   inference_latency_per_env_s=cfg.actors.inference_latency_per_env_s,
+                                   inference_latency_s=cfg.actors.inference_latency_s if local else 0.0,
+                                   inference_latency_per_env_s=cfg.actors.inference_latency_per_env_s if local else 0.0,
                                    device_lock=self.emulated_device,
                                    bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
         # actors.rollout_transport "ring": rollouts go into our slots of the learner's ring, the message
         # carries only the header (shared/rollout_ring.py); the file is checked here, before any rollout
         self.ring = attach_producer(cfg, self.env.spec, has_critic(self.policy), actor_id, rollout_ring)
-        self.version = -1          # no weights yet
         self.seq = 0
         self._trackers: list[zmq.MessageTracker | None] = [None, None]
         self.rollouts_since_sync = 0
         self.failed = False   # set when the actor gives up on an unreachable learner
         self._last_acted = -1
-        # Weights messages seen but not loaded yet: the gate says which is due (actors/weights_gate.py:
-        # the newest at once, or held back by the study knobs weights_delay_s / weights_lag_versions).
-        self.gate = weights_gate(cfg.actors)
-        self._received_at = 0.0                      # when the loaded version arrived
+        # The weights this copy holds, and those seen but not loaded yet: the gate says which is due
+        # (actors/weights_gate.py: the newest at once, or held back by the study knobs).
+        # (With a server it loads nothing: the version and incarnation are those its replies carry.)
+        self.loader = WeightsLoader(self.policy if remote is None else None, self.device, cfg.actors,
+                                    self.base_digest, f"actor {actor_id}")
         self._synced: list[list] = []                # [[version, received, first acted]] for the next rollout
-        self._new_version = False
         self._consumed_base: int | None = None       # the learner's count for this id when we started
         self._seq_base = 0                           # our seq when that count was taken
-        self.incarnation: str | None = None          # the learner life whose weights we hold
-        self._shm = ShmWeightsReader()                # maps the learner's ring when weights come that way
-        self._torn = False                           # the policy holds a torn copy: never act with it
         self.max_inflight = max_inflight(cfg)
         self.pace = cfg.trainer.buffer_type == "vla" and cfg.trainer.lag_policy == "pace"
         # in-flight weight updates: vla mode only (standard mode trains each version on its own data)
@@ -122,67 +126,35 @@ class Actor:
             log.info("actor %d: stop requested by the learner", self.actor_id)
             self.stop_event.set()
             return False
-        self.gate.offer(time.time(), msg)
+        if self.remote is None:   # with a server, the server takes the weights
+            self.loader.offer(msg)
         return True
+
+    # The loader's state, read and written under the names the rest of the actor (and its tests) use.
+    version = property(lambda self: self.loader.version, lambda self, v: setattr(self.loader, "version", v))
+    incarnation = property(lambda self: self.loader.incarnation,
+                           lambda self, v: setattr(self.loader, "incarnation", v))
+    _torn = property(lambda self: self.loader.torn, lambda self, v: setattr(self.loader, "torn", v))
+    _new_version = property(lambda self: self.loader.new_version,
+                            lambda self, v: setattr(self.loader, "new_version", v))
+    _received_at = property(lambda self: self.loader.received_at)
+    gate = property(lambda self: self.loader.gate)
 
     @property
     def _incoming(self):
         """Weights messages received and not loaded yet (the gate's queue), oldest first."""
-        return self.gate.queue
-
-    def _pop_due(self):
-        """The queued message to load now, if any (and drop it and everything older)."""
-        return self.gate.due(time.time(), self.version, self.incarnation, self._torn)
+        return self.loader.gate.queue
 
     def _load_due(self) -> None:
         """Load the newest queued weights that are due (if newer than ours): at least
         `weights_delay_s` old, or `weights_lag_versions` behind the newest received."""
-        due = self._pop_due()
-        if due is None:
-            return
-        received, (td, meta) = due
-        version, incarnation = meta.get("version"), meta.get("incarnation")
-        if meta.get("kind") != "weights" or not (isinstance(version, int) and not isinstance(version, bool)
-                                                 and version >= 0):
-            return
-        # A restarted learner (a new incarnation) counts from its checkpoint's version, which may be
-        # lower than ours: its versions replace ours, whatever the numbers.
-        new_learner = (isinstance(incarnation, str) and self.incarnation is not None
-                       and incarnation != self.incarnation)
-        if version <= self.version and not new_learner:
-            return
-        base = meta.get("base_digest")
-        if base is not None and base != self.base_digest:
-            log.error("actor %d: refused: the learner's base model (frozen weights digest %s) differs from ours (%s); "
-                      "both must load the same policy.vla_config.model_path", self.actor_id, str(base)[:16],
-                      self.base_digest[:16])
+        outcome = self.loader.load_due()
+        if outcome == "refused_base":
             self.failed = True
             self.stop_event.set()
-            return
-        try:
-            loaded = load_published_(self.policy, td, meta, self._shm, self.device)
-        except (ValueError, wire.WireError) as e:   # checked before any copy: ours are untouched
-            log.warning("actor %d: weights v%d not loaded: %s", self.actor_id, version, e)
-            return
-        except Exception as e:   # anything else may have stopped a copy half-way: never act with it
-            log.warning("actor %d: weights v%d not loaded: %s", self.actor_id, version, e)
-            self._torn = True
-            return
-        if not loaded:
-            log.warning("actor %d: shared-memory weights v%d were rewritten while read; waiting for the next",
-                        self.actor_id, version)
-            self._torn = True
-            return
-        if new_learner:
-            log.info("actor %d: the learner restarted (incarnation %s, version %d; ours was %s, version %d): "
-                     "taking its versions from here", self.actor_id, incarnation, version, self.incarnation,
-                     self.version)
+        elif outcome == "new_learner":
             self._last_acted = -1                       # standard mode: act with its version at once
             self._consumed_base, self._seq_base = None, self.seq   # pacing counts start again
-        if isinstance(incarnation, str):
-            self.incarnation = incarnation
-        self.version, self._received_at, self._new_version = version, received, True
-        self._torn = False
 
     def _give_up(self, why: str) -> bool:
         """The learner has been unreachable for `learner_timeout_s`: log, mark failed, stop. Returns False."""
@@ -307,6 +279,8 @@ class Actor:
         In standard mode the actor first waits for a version newer than the one its previous
         rollout was acted by: the learner trains only on its current version's data.
         """
+        if self.remote is not None:
+            return self._step_served()
         newer_than = self._last_acted if self.cfg.trainer.buffer_type == "standard" else -1
         if self._torn:
             newer_than = max(newer_than, self.version)
@@ -337,7 +311,38 @@ class Actor:
         self.rollouts_since_sync += 1
         return True
 
+    def _step_served(self) -> bool:
+        """:meth:`step_once` with an inference server acting: the versions come with its replies
+        (standard mode asks it for one newer than our last rollout's)."""
+        if not self._poll(0) or (self.pace and not self._wait_for_credit()):
+            return False
+        if self.cfg.trainer.buffer_type == "standard":
+            self.remote.min_version = self._last_acted + 1
+        self._wait_storage_free(self.collector.next_index)
+        seeds = group_seeds(self.cfg, self.actor_id, self.seq)
+        try:
+            out = self.collector.collect(self.version, reset_seeds=seeds, should_stop=self._between_steps)
+        except InferenceStopped:
+            return False
+        except InferenceUnavailable as e:
+            return self._give_up(str(e))
+        if out is None:
+            return False
+        rollout, stats, index = out
+        r = self.remote
+        if self.incarnation is not None and r.incarnation != self.incarnation:   # the learner restarted
+            self._consumed_base, self._seq_base = None, self.seq
+        self.loader.version, self.loader.incarnation = r.version, r.incarnation
+        self._last_acted = int(rollout[keys.POLICY_VERSION].max())
+        self._synced, r.synced = r.synced, []
+        return self._send(rollout, stats, index)
+
     def run(self) -> int:
+        if self.remote is not None:
+            log.info("actor %d: acting through the inference server (%s)", self.actor_id, self.remote.path)
+            while not self.stop_event.is_set() and self.step_once():
+                pass
+            return 1 if self.failed else 0
         if not self._wait_for_version(-1):
             return 1 if self.failed else 0
         log.info("actor %d: running on %s with weights version %d", self.actor_id, self.device, self.version)
@@ -346,7 +351,9 @@ class Actor:
         return 1 if self.failed else 0
 
     def close(self) -> None:
-        self._shm.close()
+        self.loader.close()
+        if self.remote is not None:
+            self.remote.close()
         if self.ring is not None:
             self.ring.close()
         self.env.close()
@@ -373,15 +380,25 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
     # Several learner ranks: actor i sends its rollouts to rank i % W (learner/distributed.py).
     by_rank = endpoints.get("rollouts_by_rank")
     push = RolloutPusher(ctx, by_rank[actor_id % len(by_rank)] if by_rank else endpoints["rollouts"], curve=curve)
-    actor = None
+    actor = remote = None
     try:
+        if cfg.actors.inference == "server":
+            if lock_dir is None:
+                raise ValueError("actors.inference \"server\" needs the run directory (give the actor --run-dir or "
+                                 "--endpoints): the servers' endpoint files are there")
+            remote = RemotePolicy.connect(ctx, endpoint_path(lock_dir, server_of(cfg, actor_id)), actor_id,
+                                          timeout_s=learner_timeout_s, curve=curve, stop=stop)
+            if remote is None:
+                return 0    # stopped while waiting for the server
         actor = Actor(cfg, actor_id, sub, push, device=device, stop_event=stop,
                       learner_timeout_s=learner_timeout_s, lock_dir=lock_dir,
-                      rollout_ring=endpoints.get("rollout_ring"))
+                      rollout_ring=endpoints.get("rollout_ring"), remote=remote)
         return actor.run()
     finally:
         if actor is not None:
             actor.close()
+        elif remote is not None:
+            remote.close()
         sub.close()
         push.close()
         ctx.term()

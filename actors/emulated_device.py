@@ -79,19 +79,21 @@ def latency_s(a: float, b: float, batch: int) -> float:
 
 
 class EmulatedInference:
-    """The acting policy on an emulated device: each call holds `device` (None: this actor's alone)
-    for the forward pass and then `latency_s` of sleep. Everything else (``get_value``, ``critic``,
+    """The acting policy on an emulated device: each call on N envs holds `device` (None: this
+    actor's alone) for the forward pass and then ``latency_s + per_env_s * N`` of sleep (an
+    inference server's batches grow and shrink). Everything else (``get_value``, ``critic``,
     ``parameters``) is the policy's own."""
 
-    def __init__(self, policy, latency_s: float, device: EmulatedDevice | None = None):
-        self.policy, self.latency_s = policy, latency_s
+    def __init__(self, policy, latency_s: float, device: EmulatedDevice | None = None, per_env_s: float = 0.0):
+        self.policy, self.latency_s, self.per_env_s = policy, latency_s, per_env_s
         self.device = device if device is not None else contextlib.nullcontext()
 
     def __call__(self, td):
         with self.device:
             out = self.policy(td)
-            if self.latency_s:
-                time.sleep(self.latency_s)
+            pause = latency_s(self.latency_s, self.per_env_s, td.batch_size[0])
+            if pause:
+                time.sleep(pause)
         return out
 
     def __getattr__(self, name: str):

@@ -56,13 +56,14 @@ class Collector:
         # the same with them or without.
         if step_delay_s:
             env = SlowEnv(env, step_delay_s)
-        latency = inference_latency_s + inference_latency_per_env_s * env.num_envs
-        if latency or device_lock is not None:
-            policy = EmulatedInference(policy, latency, device_lock)
+        if inference_latency_s or inference_latency_per_env_s or device_lock is not None:
+            policy = EmulatedInference(policy, inference_latency_s, device_lock, per_env_s=inference_latency_per_env_s)
         self.env, self.policy, self.num_steps = env, policy, num_steps
         # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
         self.device = next(policy.parameters()).device
+        # An inference server's replies say which version acted at each step (actors/inference.py).
+        self.stamps_versions = getattr(policy, "stamps_versions", False)
         pin = self.device.type == "cuda"
         self.with_value = getattr(policy, "critic", None) is not None
         self.bootstrap_obs = bootstrap_obs and self.with_value
@@ -122,6 +123,8 @@ class Collector:
             ti = time.perf_counter()
             td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
             action = td[keys.ACTION]
+            if self.stamps_versions:
+                ver_b[:, t] = td[keys.POLICY_VERSION]
             te = time.perf_counter()
             step = self.env.step(action)
             stats.inference_s += te - ti
@@ -140,7 +143,7 @@ class Collector:
                 self._episodes_ended(step, t, stats, nval_b, boot_b)
             self.obs = step.obs
         self._finish_values(out, term_b, trunc_b, val_b, nval_b, boot_b)
-        if refresh is None:
+        if refresh is None and not self.stamps_versions:
             ver_b.fill_(version)
         self._to_host(out, idx)
         self.env_steps += n * self.num_steps

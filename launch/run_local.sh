@@ -7,8 +7,9 @@
 # With no arguments it trains PPO on CartPole-v1 (configs/cartpole_ppo.json). On first use, when
 # the project is not importable, it creates .venv/ and installs it there (torch==2.13.0 only when
 # no torch is installed, so a CUDA build you already have is kept).
-# The launcher supervises: a crashed actor is restarted (with back-off, at most
-# TANDEM_MAX_RESTARTS times per actor); if the learner dies the run stops and exits non-zero.
+# The launcher supervises: a crashed actor or inference server (actors.inference "server": one per
+# device) is restarted (with back-off, at most TANDEM_MAX_RESTARTS times each); if the learner dies
+# the run stops and exits non-zero.
 # Ctrl-C or SIGTERM, to the launcher or to its whole process group (as Slurm and Kubernetes send it),
 # stops every process within ~10 s (the learner writes a final checkpoint); the exit code is 130 or 143.
 # --record stores every batch the learner trains on under OUT/record (launch/replay.py retrains on it).
@@ -53,15 +54,16 @@ export PYTHONUNBUFFERED=1
 
 # ---------------------------------------------------------------- run directory
 set_args=(); for s in "${SETS[@]+"${SETS[@]}"}"; do set_args+=(--set "$s"); done
-read -r NUM_ACTORS WORLD EXP_DIR < <("$PY" - "$CONFIG" "${SETS[@]+"${SETS[@]}"}" <<'PYEOF'
+read -r NUM_ACTORS WORLD SERVERS EXP_DIR < <("$PY" - "$CONFIG" "${SETS[@]+"${SETS[@]}"}" <<'PYEOF'
 import sys
 from pathlib import Path
 from shared.config import ConfigError, load_config
 try:
     cfg = load_config(sys.argv[1], sys.argv[2:])
 except ConfigError as e:
-    print(e, file=sys.stderr); print("0 0 -"); sys.exit(0)
-print(cfg.actors.num_actors, max(1, len(cfg.learner.devices)), Path(cfg.trainer.output_dir) / cfg.trainer.exp_name)
+    print(e, file=sys.stderr); print("0 0 0 -"); sys.exit(0)
+servers = len(dict.fromkeys(cfg.actors.devices)) if cfg.actors.inference == "server" else 0
+print(cfg.actors.num_actors, max(1, len(cfg.learner.devices)), servers, Path(cfg.trainer.output_dir) / cfg.trainer.exp_name)
 PYEOF
 )
 [[ "$NUM_ACTORS" -gt 0 ]] 2>/dev/null || exit 2
@@ -78,7 +80,7 @@ mkdir -p "$OUT/logs"
 rm -f "$OUT/endpoints.json"   # a stale file from a crashed run would point actors at nothing
 
 # ---------------------------------------------------------------- processes
-declare -A ACTOR_PID=() RESTARTS=()
+declare -A ACTOR_PID=() RESTARTS=() SERVER_PID=() SERVER_RESTARTS=()
 LEARNER_PID=""
 STOPPING=0
 TEE_PIDS=()
@@ -106,13 +108,22 @@ start_actor() {
   exec {LOG_FD}>&-   # the launcher keeps no copy: the tee ends with the actor
 }
 
+start_server() {  # actors.inference "server": one inference server per device (actors/inference.py)
+  local s=$1
+  open_log "inference_$s"
+  "$PY" -m actors.inference --config "$CONFIG" --server-id "$s" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}" \
+    >&"$LOG_FD" 2>&1 {LOG_FD}>&- &
+  SERVER_PID[$s]=$!
+  exec {LOG_FD}>&-
+}
+
 is_my_child() {  # /proc/PID/stat is "PID (COMM) STATE PPID ..."
   local st; read -r st 2>/dev/null < "/proc/$1/stat" || return 1
   st=${st##*) }; [[ "${st#* }" == "$$ "* ]]
 }
 
 stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
-  local pids=("${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" $LEARNER_PID) deadline=$((SECONDS + 10))
+  local pids=("${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}" $LEARNER_PID) deadline=$((SECONDS + 10))
   kill -TERM "${pids[@]}" 2>/dev/null
   for p in "${pids[@]}"; do
     while kill -0 "$p" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.1; done
@@ -153,7 +164,7 @@ trap 'on_signal SIGTERM 143' TERM
 
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
 [[ $RESUME -eq 1 ]] && learner_args+=(--resume)
-echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | $WORLD learner rank(s) | python $PY"
+echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | $WORLD learner rank(s)$([[ $SERVERS -gt 0 ]] && echo " | $SERVERS inference server(s)") | python $PY"
 open_log learner
 if [[ "$WORLD" -gt 1 ]]; then   # several learner ranks (learner.devices): torchrun starts one process per rank
   "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$WORLD" --module learner \
@@ -163,12 +174,13 @@ else
 fi
 LEARNER_PID=$!
 exec {LOG_FD}>&-
+for ((s = 0; s < SERVERS; s++)); do start_server "$s"; done
 for ((i = 0; i < NUM_ACTORS; i++)); do start_actor "$i"; done
 
 status=0
 while true; do
   finished=""
-  wait -n -p finished "$LEARNER_PID" "${ACTOR_PID[@]}"
+  wait -n -p finished "$LEARNER_PID" "${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}"
   code=$?
   [[ -z "$finished" ]] && continue            # interrupted by a signal; the trap handles it
   if [[ "$finished" == "$LEARNER_PID" ]]; then
@@ -178,6 +190,21 @@ while true; do
     stop_all
     break
   fi
+  for s in "${!SERVER_PID[@]}"; do   # a server that failed is restarted; its actors wait for it meanwhile
+    [[ "${SERVER_PID[$s]}" == "$finished" ]] || continue
+    unset "SERVER_PID[$s]"
+    if [[ $code -ne 0 ]]; then
+      n=$(( ${SERVER_RESTARTS[$s]:-0} + 1 )); SERVER_RESTARTS[$s]=$n
+      if [[ $n -gt $MAX_RESTARTS ]]; then
+        echo "[launch] inference server $s failed $n times (last exit code $code): stopping the run"
+        status=1; stop_all; break 2
+      fi
+      delay=$(( n > 6 ? 30 : 1 << (n - 1) )); (( delay > 30 )) && delay=30
+      echo "[launch] inference server $s exited with code $code: restart $n/$MAX_RESTARTS in ${delay}s"
+      sleep "$delay" & wait $!
+      kill -0 "$LEARNER_PID" 2>/dev/null && start_server "$s"
+    fi
+  done
   for i in "${!ACTOR_PID[@]}"; do
     [[ "${ACTOR_PID[$i]}" == "$finished" ]] || continue
     unset "ACTOR_PID[$i]"

@@ -214,6 +214,20 @@ class ActorsConfig:
     sharing one GPU do. Empty: every actor has a device of its own. Real CUDA actors need none of it."""
     slow_actor_ids: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
+    inference: Literal["local", "server"] = "local"
+    """Where the acting policy runs. local: every actor holds its own copy (cheap policies). server:
+    one inference server process per device of actors.devices holds the only copy and acts for every
+    actor on that device, batching their requests into one forward pass; actors then only step their
+    envs (actors/inference.py). For large models: one copy per device instead of one per actor, and
+    one call a round instead of one per actor. Every step records the version that acted (the server
+    takes new weights between batches, so in vla mode that is weights_at "step")."""
+    server_max_batch: Annotated[int, Range(ge=0)] = 0
+    """server: the most envs in one forward pass (0: every served actor's envs, num_envs each)."""
+    server_max_wait_ms: Annotated[float, Range(ge=0, le=10_000)] = 5.0
+    """server: how long a request may wait for others to join its batch; a slow or dead actor holds
+    the others back by at most this."""
+    server_queue: Annotated[int, Range(ge=1, le=100_000)] = 256
+    """server: requests waiting for a batch, at most; more are dropped and counted (busy)."""
     rollout_transport: Literal["zmq", "ring"] = "zmq"
     """How rollouts reach the learner. zmq: in the rollout message (any host). ring: each actor
     writes into a ring of preallocated rollout slots that the learner owns on this host (a
@@ -783,6 +797,17 @@ def _check(cfg: Config) -> list[str]:
     if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
         errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
                       f"{a.sync_every} asks to hold weights for several rollouts: choose one")
+    if a.inference == "server":
+        if t.buffer_type == "vla" and a.weights_at == "rollout":
+            errors.append("actors.weights_at \"rollout\" and actors.inference \"server\": the server holds one copy "
+                          "for all its actors and takes each new version between batches, so a rollout may be "
+                          "acted by several versions (each step records its own); use \"auto\" or \"step\"")
+        if a.sync_every > 1:
+            errors.append(f"actors.sync_every {a.sync_every} and actors.inference \"server\": the server takes every "
+                          f"new version; choose one")
+        if a.emulated_devices:
+            errors.append("actors.emulated_devices and actors.inference \"server\": each server is its device's "
+                          "only user (its latency is actors.inference_latency_s + _per_env_s x batch); leave it empty")
     bad_ids = [i for i in a.slow_actor_ids if i >= a.num_actors]  # negative ids are out of Range
     if bad_ids:
         errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")

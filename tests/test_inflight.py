@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 import actors.actor
+import actors.weights_loader
 from actors.actor import Actor
 from learner.learner import Learner, ListPublisher
 from shared import keys
@@ -97,7 +98,7 @@ def test_a_torn_load_is_never_acted_with(monkeypatch):
     and acts with it; no step is taken with the torn weights."""
     cfg, learner, pub, actor, sink = _setup("step")
     assert actor.step_once()
-    real_load = actors.actor.load_published_
+    real_load = actors.weights_loader.load_published_
     torn_versions = []
 
     def load(policy, td, meta, shm, device):
@@ -109,7 +110,7 @@ def test_a_torn_load_is_never_acted_with(monkeypatch):
             return False
         return real_load(policy, td, meta, shm, device)
 
-    monkeypatch.setattr(actors.actor, "load_published_", load)
+    monkeypatch.setattr(actors.weights_loader, "load_published_", load)
     _publish_at_step(actor, learner, step_no=3)
     assert actor.step_once()
     td, _ = sink.messages[-1]

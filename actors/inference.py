@@ -1,0 +1,617 @@
+"""``actors.inference: server``: one copy of the policy per device, acting for every actor on it.
+
+With ``local`` (the default) each actor holds its own copy and runs its own forward pass. For a
+large model that is the expensive way round: N copies in device memory, N contexts time-slicing one
+GPU, and N calls a round where one batched call costs about the same. With ``server``:
+
+- one :class:`InferenceServer` process per device of ``actors.devices`` holds the only acting copy;
+  the actors on that device become env processes whose :class:`RemotePolicy` sends observations and
+  receives actions, log-probs, values and the version that acted;
+- the server gathers requests from all its actors into one forward pass: it waits at most
+  ``actors.server_max_wait_ms`` after the first request, and stops gathering at
+  ``actors.server_max_batch`` envs (0: all its actors' envs), so a slow or dead actor never holds a
+  batch back for longer than that wait;
+- it takes new weights between batches, never during one, through the same
+  :class:`~actors.weights_loader.WeightsLoader` an actor uses (whole versions only, a restarted
+  learner's versions, the frozen base checked); every reply carries the version that acted, which
+  the collector stamps on that step, so per-sample versions, lag accounting, corrections and the
+  staleness report see exactly what acted. An actor in standard mode asks for a minimum version at
+  the start of a rollout (``min_version``), and the server holds that request until it has one;
+- requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
+  and counted with its sender in the log, and the queue of requests waiting for a batch is bounded
+  (``actors.server_queue``); CURVE applies to its socket where the run uses it;
+- the server writes ``inference/server_<id>.json`` (endpoint and incarnation) in the run directory;
+  a restarted server binds the same port when it can and writes a new incarnation, and an actor
+  waiting on it re-sends its request to the new one.
+
+GRPO: a group is envs of one actor, so they are always in the same request and act with the same
+version. ``lag_policy: pace`` and its credits stay with the actors (the learner counts rollouts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import zmq
+from tensordict import TensorDict, TensorDictBase
+
+from shared import keys, wire
+from shared.config import Config
+from shared.envs.base import EnvSpec
+from shared.rollout import rollout_template
+
+log = logging.getLogger("tandem.inference")
+
+LOG_EVERY = 1000          # after the first 10, one refusal in this many is logged
+ENDPOINT_CHECK_S = 1.0    # how often a waiting actor looks for a restarted server
+
+
+class InferenceStopped(Exception):
+    """The actor was asked to stop while it waited for the server."""
+
+
+class InferenceUnavailable(Exception):
+    """No reply from the inference server for the actor's learner timeout."""
+
+
+def server_devices(cfg: Config) -> list[str]:
+    """The devices that get a server: ``actors.devices`` without repeats, in order."""
+    return list(dict.fromkeys(cfg.actors.devices))
+
+
+def server_of(cfg: Config, actor_id: int) -> int:
+    """The server that acts for actor `actor_id` (the one on its device)."""
+    devices = cfg.actors.devices
+    return server_devices(cfg).index(devices[actor_id % len(devices)])
+
+
+def served_actors(cfg: Config, server_id: int) -> list[int]:
+    return [i for i in range(cfg.actors.num_actors) if server_of(cfg, i) == server_id]
+
+
+def endpoint_path(run_dir: str | Path, server_id: int) -> Path:
+    return Path(run_dir) / "inference" / f"server_{server_id}.json"
+
+
+def read_endpoint(path: Path) -> dict | None:
+    """``{"endpoint", "incarnation"}`` from a server's file, or None while there is none (or it is
+    not a file a server of ours wrote)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("endpoint"), str)
+            and isinstance(data.get("incarnation"), str)):
+        return None
+    return data
+
+
+# ---------------------------------------------------------------------------------------- requests
+@dataclass
+class Request:
+    """One decoded, checked request: `n` envs' observations from actor `actor`."""
+    route: bytes
+    actor: int
+    rid: int
+    kind: str                      # "act" or "value"
+    obs: Any                       # a tensor [n, ...] or a TensorDict [n] (multi-modal)
+    n: int
+    min_version: int = -1
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class RequestChecker:
+    """What a request must be: a wire message of kind "act" or "value" from an actor this server
+    serves, observations exactly of the env's schema for 1..num_envs envs, finite."""
+
+    def __init__(self, spec: EnvSpec, num_envs: int, actors: list[int]):
+        self.num_envs, self.actors = num_envs, set(actors)
+        one = rollout_template(spec, 1, 1, with_value=False)[keys.OBS][:, 0]
+        self.expected = ({k: (v.shape[1:], v.dtype) for k, v in one.items(include_nested=True, leaves_only=True)}
+                         if isinstance(one, TensorDictBase) else {(): (one.shape[1:], one.dtype)})
+        self.max_bytes = sum(math_prod(s) * d.itemsize for s, d in self.expected.values()) * num_envs + (1 << 20)
+
+    def check(self, route: bytes, frames: list) -> Request:
+        """The request in `frames`; raises :class:`wire.WireError` naming what is wrong."""
+        td, meta = wire.decode(frames, max_message_bytes=self.max_bytes)
+        kind, actor, rid = meta.get("kind"), meta.get("actor"), meta.get("id")
+        if kind not in ("act", "value"):
+            raise wire.WireError(f"request of kind {kind!r}: the inference server takes 'act' or 'value'")
+        if not (_is_int(actor) and actor in self.actors):
+            raise wire.WireError(f"request from actor {actor!r}, not one this server acts for "
+                                 f"({sorted(self.actors)})")
+        if not _is_int(rid):
+            raise wire.WireError(f"request without an integer 'id' (got {rid!r})")
+        min_version = meta.get("min_version", -1)
+        if not _is_int(min_version) or min_version < -1:
+            raise wire.WireError(f"'min_version' must be an int >= -1, got {min_version!r}")
+        if len(td.batch_size) != 1 or not 1 <= td.batch_size[0] <= self.num_envs:
+            raise wire.WireError(f"batch size {list(td.batch_size)}: must be [n] with 1 <= n <= {self.num_envs} "
+                                 f"(actors.num_envs)")
+        n = td.batch_size[0]
+        if set(td.keys()) != {keys.OBS}:
+            raise wire.WireError(f"a request carries only {keys.OBS!r}, got {sorted(map(str, td.keys()))}")
+        obs = td.get(keys.OBS)
+        got = ({k: (v.shape[1:], v.dtype) for k, v in obs.items(include_nested=True, leaves_only=True)}
+               if isinstance(obs, TensorDictBase) else {(): (obs.shape[1:], obs.dtype)})
+        if got != self.expected:
+            raise wire.WireError(f"observation {_describe(got)} does not match the env's {_describe(self.expected)}")
+        leaves = obs.values(include_nested=True, leaves_only=True) if isinstance(obs, TensorDictBase) else [obs]
+        for t in leaves:
+            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+                raise wire.WireError("observation holds NaN or inf")
+        return Request(route, actor, rid, kind, obs.clone(), n, min_version)
+
+
+def math_prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _describe(entries: dict) -> str:
+    return ", ".join(f"{k or 'obs'}: {d} {list(s)}" for k, (s, d) in sorted(entries.items(), key=lambda e: str(e[0])))
+
+
+# ---------------------------------------------------------------------------------------- server
+class InferenceServer:
+    """The acting copy for the actors on one device, batched across them.
+
+    Args:
+        cfg: the run's config.
+        server_id: which device of :func:`server_devices`.
+        policy: the acting copy (on its device, eval mode), possibly wrapped by the emulated latency.
+        loader: its :class:`~actors.weights_loader.WeightsLoader`.
+        weights: the learner's weights socket (``newest(timeout_ms)``).
+        sock: a bound ROUTER socket.
+        spec: the env's spec (the request schema).
+        stop: set to end :meth:`run`.
+    """
+
+    def __init__(self, cfg: Config, server_id: int, policy, loader, weights, sock: zmq.Socket, spec: EnvSpec,
+                 stop, writer=None):
+        a = cfg.actors
+        self.cfg, self.server_id, self.policy, self.loader = cfg, server_id, policy, loader
+        self.weights, self.sock, self.stop, self.writer = weights, sock, stop, writer
+        self.actors = served_actors(cfg, server_id)
+        self.max_batch = a.server_max_batch or a.num_envs * max(1, len(self.actors))
+        self.max_wait_s = a.server_max_wait_ms / 1000.0
+        self.max_queue = a.server_queue
+        self.checker = RequestChecker(spec, a.num_envs, self.actors)
+        self.waiting: list[Request] = []        # checked, not served yet (bounded by max_queue)
+        self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0}
+        self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
+        self._last_log = time.monotonic()
+        self.stopped_by_learner = False
+        self.failed = False
+
+    # -------------------------------------------------------------- the loop
+    def run(self) -> int:
+        while not self.stop.is_set():
+            if not self._take_weights():
+                break
+            self._receive(timeout_s=0.1 if not self._ready() else 0.0)
+            batch = self._batch()
+            if batch:
+                self._serve(batch)
+            self._maybe_log()
+        return 1 if self.failed else 0
+
+    def _take_weights(self) -> bool:
+        """Between batches: queue what the learner published, load what is due. False on stop."""
+        while True:
+            msg = self.weights.newest(0)
+            if msg is None:
+                break
+            if msg[1].get("kind") == "stop":
+                if msg[1].get("who") == "actors":   # the learner's end of run: actors stop, so do we
+                    log.info("inference server %d: the learner stopped the run", self.server_id)
+                self.stopped_by_learner = True
+                self.stop.set()
+                return False
+            self.loader.offer(msg)
+        if self.loader.load_due() == "refused_base":
+            self.failed = True
+            self.stop.set()
+            return False
+        return True
+
+    def _ready(self) -> bool:
+        return any(self._servable(r) for r in self.waiting)
+
+    def _servable(self, r: Request) -> bool:
+        return self.loader.version >= max(0, r.min_version) and not self.loader.torn
+
+    def _receive(self, timeout_s: float) -> None:
+        """Take requests off the socket: wait up to `timeout_s` for the first; after a servable one
+        is waiting, go on for at most ``server_max_wait_ms`` from its arrival, until the batch is full."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            now = time.perf_counter()
+            servable = [r for r in self.waiting if self._servable(r)]
+            envs = sum(r.n for r in servable)
+            if envs >= self.max_batch:
+                return
+            if servable:
+                deadline = min(r.arrived for r in servable) + self.max_wait_s
+            remaining = deadline - now
+            if not self.sock.poll(max(0, int(remaining * 1000)) if remaining > 0 else 0):
+                if remaining <= 0 or time.perf_counter() >= deadline:
+                    return
+                continue
+            while self.sock.poll(0):
+                self._take(self.sock.recv_multipart(copy=False))
+
+    def _take(self, frames: list) -> None:
+        route, body = frames[0].bytes, frames[1:]
+        self.counts["requests"] += 1
+        try:
+            req = self.checker.check(route, body)
+        except wire.WireError as e:
+            self._refuse("malformed", route, str(e))
+            return
+        except Exception as e:   # decode promises WireError only: a bug on bad input must not end the server
+            self._refuse("malformed", route, f"{type(e).__name__}: {e}")
+            return
+        if len(self.waiting) >= self.max_queue:
+            self._refuse("busy", route, f"{len(self.waiting)} requests wait already (actors.server_queue)")
+            return
+        self.waiting.append(req)
+
+    def _refuse(self, what: str, route: bytes, why: str) -> None:
+        self.counts[what] += 1
+        n = self.counts[what]
+        if n <= 10 or n % LOG_EVERY == 0:
+            log.warning("inference server %d: dropped %s request #%d from %s: %s", self.server_id, what, n,
+                        route.hex()[:16], why[:300])
+
+    def _batch(self) -> list[Request]:
+        """The requests to serve now, oldest first, at most `max_batch` envs (one request at least)."""
+        out, envs = [], 0
+        for r in self.waiting:
+            if self._servable(r) and (not out or envs + r.n <= self.max_batch):
+                out.append(r)
+                envs += r.n
+        taken = {id(r) for r in out}
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
+        return out
+
+    @torch.inference_mode()
+    def _serve(self, batch: list[Request]) -> None:
+        """One forward pass for the act requests and one value pass for the value requests; every
+        reply carries the version that acted (the loader's: nothing loads during this)."""
+        version, incarnation, received = self.loader.version, self.loader.incarnation, self.loader.received_at
+        t0 = time.perf_counter()
+        for kind in ("act", "value"):
+            reqs = [r for r in batch if r.kind == kind]
+            if not reqs:
+                continue
+            obs = torch.cat([r.obs for r in reqs]).to(self.loader.device)
+            td = TensorDict({keys.OBS: obs}, batch_size=[obs.shape[0]])
+            if kind == "act":
+                out = self.policy(td)
+                outs = {k: out[k] for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE) if k in out.keys()}
+            else:
+                outs = {keys.VALUE: self.policy.get_value(td)}
+            start = 0
+            for r in reqs:
+                part = TensorDict({k: v[start:start + r.n].cpu() for k, v in outs.items()}, batch_size=[r.n])
+                start += r.n
+                frames = wire.encode(part, kind="reply", id=r.rid, version=version, incarnation=incarnation,
+                                     received=received)
+                try:
+                    self.sock.send_multipart([r.route, *frames], flags=zmq.NOBLOCK)
+                    self.counts["replies"] += 1
+                except zmq.ZMQError as e:   # its queue is full or it is gone: never block the others
+                    self._refuse("busy", r.route, f"its reply could not be sent ({e})")
+        envs = sum(r.n for r in batch)
+        self.counts["batches"] += 1
+        self.counts["envs"] += envs
+        w = self._window
+        w["batches"] += 1
+        w["envs"] += envs
+        w["requests"] += len(batch)
+        w["max_envs"] = max(w["max_envs"], envs)
+        w["forward_s"] += time.perf_counter() - t0
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.cfg.trainer.log_interval_s:
+            return
+        w, c = self._window, self.counts
+        b = max(1, w["batches"])
+        line = {"batches": w["batches"], "batch_envs_mean": w["envs"] / b, "batch_envs_max": w["max_envs"],
+                "batch_requests_mean": w["requests"] / b, "forward_ms_mean": 1000 * w["forward_s"] / b,
+                "busy_frac": w["forward_s"] / max(1e-9, now - self._last_log), "version": self.loader.version,
+                "malformed": c["malformed"], "busy": c["busy"]}
+        log.info("inference server %d: v%d | %d batches, %.1f envs (max %d) from %.1f requests each, "
+                 "%.1f ms per batch, busy %.0f%% | dropped %d malformed, %d busy", self.server_id,
+                 line["version"], line["batches"], line["batch_envs_mean"], line["batch_envs_max"],
+                 line["batch_requests_mean"], line["forward_ms_mean"], 100 * line["busy_frac"],
+                 line["malformed"], line["busy"])
+        if self.writer is not None:
+            step = c["batches"]
+            for k, v in line.items():
+                self.writer.add_scalar(f"inference{self.server_id}/{k}", v, step)
+            self.writer.add_scalar(f"inference{self.server_id}/max_batch", self.max_batch, step)
+            self.writer.add_scalar(f"inference{self.server_id}/max_wait_ms", 1000 * self.max_wait_s, step)
+        self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
+        self._last_log = now
+
+
+# ---------------------------------------------------------------------------------------- actors' side
+class RemotePolicy:
+    """The acting policy as an actor sees it with ``actors.inference: server``: each call sends the
+    observations to the server and waits for the reply. What the collector needs of a policy:
+    ``__call__(td)`` (with ``policy_version`` per env in the result: the version that acted),
+    ``get_value(td)``, ``critic`` and ``device``.
+
+    Args:
+        ctx: the actor's ZeroMQ context.
+        path: the server's endpoint file (:func:`endpoint_path`).
+        actor_id: ours.
+        with_value: whether the policy has a critic (replies carry ``value``).
+        should_stop: asked while waiting; True raises :class:`InferenceStopped`.
+        timeout_s: seconds without any reply before :class:`InferenceUnavailable`.
+        curve: a CurveClient, or None.
+    """
+
+    stamps_versions = True
+
+    def __init__(self, ctx: zmq.Context, path: Path, actor_id: int, with_value: bool, base_digest: str = "",
+                 should_stop: Callable[[], bool] = lambda: False, timeout_s: float = 120.0, curve=None):
+        self.ctx, self.path, self.actor_id = ctx, Path(path), actor_id
+        self.critic = True if with_value else None
+        self.base_digest = base_digest           # the server's frozen base: stamped on our rollouts
+        self.synced: list[list] = []             # [[version, received at the server, first acted]]
+        self.device = torch.device("cpu")
+        self.should_stop, self.timeout_s, self.curve = should_stop, timeout_s, curve
+        self.sock: zmq.Socket | None = None
+        self.server: dict | None = None         # the endpoint file we are connected by
+        self.min_version = -1                    # asked of the next act request only (standard mode)
+        self.version, self.incarnation, self.received_at = -1, None, 0.0
+        self._rid = 0
+
+    @classmethod
+    def connect(cls, ctx: zmq.Context, path: Path, actor_id: int, timeout_s: float, curve=None,
+                stop=None) -> RemotePolicy | None:
+        """Wait (up to `timeout_s`, or until `stop` is set: None) for the server's endpoint file, and
+        a RemotePolicy for it (whether the policy has a critic and its base digest come from there)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = read_endpoint(Path(path))
+            if info is not None:
+                return cls(ctx, path, actor_id, with_value=bool(info.get("critic")),
+                           base_digest=str(info.get("base_digest", "")), timeout_s=timeout_s, curve=curve)
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: no inference server after {timeout_s:.0f} s (actors.inference "
+                                   f"\"server\": does the launcher start it?)")
+            time.sleep(0.05)
+
+    def __call__(self, td: TensorDictBase) -> TensorDict:
+        out, meta = self._ask("act", td)
+        self.min_version = -1
+        n = td.batch_size[0]
+        out.set(keys.POLICY_VERSION, torch.full((n,), meta["version"], dtype=torch.int64))
+        return out
+
+    def get_value(self, td: TensorDictBase) -> torch.Tensor:
+        out, _ = self._ask("value", td)
+        return out[keys.VALUE]
+
+    def parameters(self):   # the collector asks where the policy runs: on the server, outputs come to us here
+        yield torch.empty(0)
+
+    # -------------------------------------------------------------- one round trip
+    def _connect(self, info: dict) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 4)
+        self.sock.setsockopt(zmq.RCVHWM, 4)
+        if self.curve is not None:
+            self.curve.apply(self.sock)
+        self.sock.connect(info["endpoint"])
+        self.server = info
+
+    def _ask(self, kind: str, td: TensorDictBase) -> tuple[TensorDict, dict]:
+        self._rid += 1
+        rid = self._rid
+        req = TensorDict({keys.OBS: td.get(keys.OBS)}, batch_size=[td.batch_size[0]])
+        meta = {"kind": kind, "actor": self.actor_id, "id": rid}
+        if kind == "act" and self.min_version >= 0:
+            meta["min_version"] = self.min_version
+        frames = wire.encode(req.cpu() if req.device is not None and req.device.type != "cpu" else req, **meta)
+        deadline = time.monotonic() + self.timeout_s
+        sent_to = None
+        next_check = 0.0
+        while True:
+            if self.should_stop():
+                raise InferenceStopped()
+            now = time.monotonic()
+            if now >= next_check:     # a (re)started server: connect to it and (re)send
+                next_check = now + ENDPOINT_CHECK_S
+                info = read_endpoint(self.path)
+                if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]):
+                    self._connect(info)
+                    sent_to = None
+                if self.sock is not None and sent_to != self.server["incarnation"]:
+                    try:
+                        self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                        sent_to = self.server["incarnation"]
+                    except zmq.Again:
+                        pass
+            if now > deadline:
+                raise InferenceUnavailable(f"no reply from the inference server ({self.path}) for "
+                                           f"{self.timeout_s:.0f} s")
+            if self.sock is None or not self.sock.poll(50):
+                continue
+            reply = self.sock.recv_multipart(copy=False)
+            try:
+                out, rmeta = wire.decode(reply)
+            except wire.WireError as e:
+                log.warning("actor %d: a malformed reply from the inference server: %s", self.actor_id, e)
+                continue
+            if rmeta.get("id") != rid:
+                continue                          # the answer to a request we sent before a restart
+            version = rmeta.get("version")
+            if not (_is_int(version) and version >= 0) or out.batch_size[0] != td.batch_size[0]:
+                log.warning("actor %d: a reply without a valid version or of the wrong size", self.actor_id)
+                continue
+            incarnation = rmeta.get("incarnation") if isinstance(rmeta.get("incarnation"), str) else None
+            received = rmeta.get("received")
+            received = float(received) if isinstance(received, (int, float)) else time.time()
+            if version != self.version or incarnation != self.incarnation:   # the first action with it
+                self.synced.append([version, received, time.time()])
+            self.version, self.incarnation, self.received_at = version, incarnation, received
+            return out.clone(), rmeta
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+
+# ---------------------------------------------------------------------------------------- the process
+def bind_router(ctx: zmq.Context, host: str, path: Path, curve=None) -> tuple[zmq.Socket, str]:
+    """A ROUTER socket for the server, on the port of the previous incarnation when it is free."""
+    from shared.transport import bind
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)    # an unroutable reply raises instead of vanishing
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.setsockopt(zmq.RCVHWM, 256)
+    if curve is not None:
+        curve.apply(sock)
+    old = read_endpoint(path)
+    if old is not None:
+        try:
+            port = int(old["endpoint"].rsplit(":", 1)[1])
+            return sock, bind(sock, host, port)
+        except (ValueError, zmq.ZMQError):
+            pass
+    return sock, bind(sock, host, 0)
+
+
+def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str) -> str:
+    """Announce a server to its actors (atomically); returns its new incarnation."""
+    incarnation = uuid.uuid4().hex[:12]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"endpoint": endpoint, "incarnation": incarnation, "pid": os.getpid(),
+                               "critic": critic, "base_digest": base_digest}) + "\n")
+    os.replace(tmp, path)
+    return incarnation
+
+
+def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeout_s: float = 120.0) -> int:
+    """Entry point of one inference server process: the policy on its device, the learner's weights,
+    the actors' requests, until the learner ends the run (or SIGTERM)."""
+    import signal
+    import threading
+
+    from actors.emulated_device import EmulatedInference
+    from actors.weights_loader import WeightsLoader
+    from shared.envs import env_spec
+    from shared.instructions import instruction_tokenizer  # noqa: F401  (the VLA envs' import order)
+    from shared.policies import frozen_digest, has_critic, make_policy
+    from shared.security import client_from_config, server_from_config
+    from shared.transport import WeightsSubscriber, read_endpoints
+
+    torch.set_num_threads(cfg.actors.torch_threads)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    device = torch.device(server_devices(cfg)[server_id])
+    torch.manual_seed(cfg.trainer.seed * 7919 + 104729 + server_id)
+    endpoints = read_endpoints(Path(run_dir) / "endpoints.json", timeout_s=learner_timeout_s)
+    spec = env_spec(cfg.env.id, cfg.env.cfg)
+    policy = make_policy(cfg, spec).to(device).eval()
+    loader = WeightsLoader(policy, device, cfg.actors, frozen_digest(policy), f"inference server {server_id}")
+    a = cfg.actors
+    acting = (EmulatedInference(policy, a.inference_latency_s, per_env_s=a.inference_latency_per_env_s)
+              if a.inference_latency_s or a.inference_latency_per_env_s else policy)
+    curve_server, curve_client = server_from_config(cfg), client_from_config(cfg)
+    ctx = zmq.Context()
+    if curve_server is not None:
+        curve_server.start(ctx)
+    sub = WeightsSubscriber(ctx, endpoints["weights"], curve=curve_client)
+    path = endpoint_path(run_dir, server_id)
+    sock, endpoint = bind_router(ctx, "127.0.0.1", path, curve_server)
+    writer = None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(str(run_dir), filename_suffix=f".inference{server_id}")
+    except Exception as e:   # TensorBoard is optional for the server: its progress lines still say it all
+        log.warning("inference server %d: no TensorBoard events (%s)", server_id, e)
+    incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest)
+    server = InferenceServer(cfg, server_id, acting, loader, sub, sock, spec, stop, writer)
+    log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
+             "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
+             1000 * server.max_wait_s)
+    try:
+        return server.run()
+    finally:
+        log.info("inference server %d: stopping after %d batches (%.1f envs each), %d malformed and %d busy "
+                 "requests dropped", server_id, server.counts["batches"],
+                 server.counts["envs"] / max(1, server.counts["batches"]), server.counts["malformed"],
+                 server.counts["busy"])
+        if writer is not None:
+            writer.close()
+        loader.close()
+        sub.close()
+        sock.close(linger=0)
+        if curve_server is not None:
+            curve_server.stop()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m actors.inference --config C --server-id S --run-dir D [--set K=V ...]``."""
+    import argparse
+    import sys
+
+    from shared.config import ConfigError, load_config
+    p = argparse.ArgumentParser(prog="python -m actors.inference", description=main.__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("--server-id", type=int, required=True, help="index into the distinct actors.devices")
+    p.add_argument("--run-dir", type=Path, required=True, help="the learner's run directory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--learner-timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[inference {args.server_id}] %(message)s")
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    n = len(server_devices(cfg))
+    if not 0 <= args.server_id < n:
+        print(f"--server-id {args.server_id}: must be in 0..{n - 1} (the distinct actors.devices of {args.config})",
+              file=sys.stderr)
+        return 2
+    try:
+        return run_server_process(cfg, args.server_id, args.run_dir, args.learner_timeout)
+    except TimeoutError as e:
+        print(e, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
