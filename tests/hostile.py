@@ -109,6 +109,8 @@ def mutate_td(td: TensorDict, meta: dict, rng: random.Random) -> tuple[TensorDic
     """One field-level change of a decoded rollout (values, dtype, shape, keys, meta)."""
     td, meta = td.clone(), dict(meta)
     leaves = _leaves(td)
+    if not leaves:                                 # a one-tensor message whose tensor a change removed
+        return td, meta
     key = rng.choice(leaves)
     t = td.get(key)
     op = rng.randrange(9)

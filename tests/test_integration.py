@@ -623,3 +623,42 @@ def _sigterm_and_wait(run, run_dir) -> float:
     assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{run.output()}"
     run.assert_all_gone(run_dir, timeout_s=5)
     return stop_s
+
+
+def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_server(tmp_path):
+    """actors.inference "server" with the Reach token-VLA smoke config through the launcher: two
+    actors act through one server; the server is killed (SIGKILL) after the second update, the
+    launcher restarts it, the actors re-send to the new one, and the run ends normally. Every
+    consumed rollout's steps were acted within the lag the run allows."""
+    run_dir = tmp_path / "run"
+    run = launch(tmp_path, run_dir, "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
+                 "--steps", "4096", "--set", "trainer.eval_freq=0", "--set", "actors.inference=server")
+    killed: list[int] = []
+
+    def kill_once() -> None:
+        path = run_dir / "inference" / "server_0.json"
+        try:
+            published = (run_dir / "versions.jsonl").read_text().count('"event":"publish"')
+        except OSError:
+            published = 0
+        if killed or not path.exists() or published < 3:
+            return
+        pid = json.loads(path.read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    try:
+        rc = run.wait(RUN_TIMEOUT_S, every=kill_once)
+        out = run.output()
+        assert rc == 0, out
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+    assert killed, "the run ended before the server could be killed"
+    assert "[launch] inference server 0 exited with code 137: restart 1/" in out, out
+    log = (run_dir / "logs" / "inference_0.log").read_text()
+    assert log.count("inference server 0 on cpu for actors [0, 1]") == 2, log      # two incarnations
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["env_steps"] >= 4096, summary
+    events = read_jsonl(run_dir / "versions.jsonl")
+    assert_versions_publish_sequence(events, start=0)
+    assert_consume_lags(events, max_lag=2)

@@ -1,0 +1,311 @@
+"""actors.inference "server": replies equal a local policy's, every step records the version that
+acted across a weight swap, a dead or silent actor does not stall the others, malformed requests are
+dropped and counted (fuzzed), and the queue is bounded. In-process: the server runs on a thread with
+a real ROUTER socket on loopback; the launcher tests are in tests/test_integration.py."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
+from tensordict import TensorDict
+
+from actors.inference import (InferenceServer, InferenceStopped, RemotePolicy, bind_router, endpoint_path,
+                              server_of, write_endpoint)
+from actors.rollout import Collector
+from actors.weights_loader import WeightsLoader
+from shared import keys, wire
+from shared.config import ConfigError, config_from_dict
+from shared.envs import env_spec, make_env
+from shared.policies import frozen_digest, make_policy, weights_td
+from tests.hostile import mutated_message
+
+ENV = "Pendulum-v1"   # continuous actions: log-probs and values tell versions apart
+
+
+class Weights:
+    """A stand-in for the learner's weights socket: what was published, newest last."""
+
+    def __init__(self):
+        self.queue: list = []
+        self.lock = threading.Lock()
+
+    def publish(self, policy, version: int, incarnation: str = "L1") -> None:
+        with self.lock:
+            self.queue.append((weights_td(policy).clone(), {"kind": "weights", "version": version,
+                                                             "incarnation": incarnation}))
+
+    def newest(self, timeout_ms: int = 0):
+        with self.lock:
+            if not self.queue:
+                return None
+            msg, self.queue = self.queue[-1], []
+            return msg
+
+
+def _cfg(**actors):
+    base = {"num_actors": 2, "num_envs": 4, "inference": "server", "server_max_wait_ms": 200.0}
+    return config_from_dict({"env": {"id": ENV}, "trainer": {"buffer_type": "vla", "buffer_size": 8},
+                             "algorithm": {"name": "ppo", "cfg": {"batch_size": 32}},
+                             "actors": {**base, **actors}}, source="test")
+
+
+class Served:
+    """A server on a thread (real ROUTER socket), and RemotePolicies for its actors."""
+
+    def __init__(self, tmp_path, **actors):
+        self.cfg = cfg = _cfg(**actors)
+        self.spec = env_spec(ENV)
+        torch.manual_seed(0)
+        self.policy = make_policy(cfg, self.spec).eval()
+        self.learner = make_policy(cfg, self.spec)          # what publishes the weights
+        self.weights = Weights()
+        self.loader = WeightsLoader(self.policy, torch.device("cpu"), cfg.actors, frozen_digest(self.policy), "server")
+        self.ctx = zmq.Context()
+        self.path = endpoint_path(tmp_path, 0)
+        self.sock, endpoint = bind_router(self.ctx, "127.0.0.1", self.path)
+        write_endpoint(self.path, endpoint, True, self.loader.base_digest)
+        self.stop = threading.Event()
+        self.server = InferenceServer(cfg, 0, self.policy, self.loader, self.weights, self.sock, self.spec, self.stop)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.remotes: list[RemotePolicy] = []
+
+    def start(self) -> "Served":
+        self.thread.start()
+        return self
+
+    def remote(self, actor: int, timeout_s: float = 10.0) -> RemotePolicy:
+        r = RemotePolicy.connect(self.ctx, self.path, actor, timeout_s=timeout_s)
+        self.remotes.append(r)
+        return r
+
+    def local(self, version_weights: dict) -> torch.nn.Module:
+        p = make_policy(self.cfg, self.spec).eval()
+        p.load_state_dict(version_weights)
+        return p
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.ident is not None:
+            self.thread.join(timeout=10)
+        alive = self.thread.is_alive()
+        for r in self.remotes:
+            r.close()
+        self.sock.close(linger=0)
+        self.loader.close()
+        self.ctx.term()
+        assert not alive, "the server thread did not stop"
+
+
+@pytest.fixture
+def served(tmp_path):
+    s = Served(tmp_path)
+    yield s
+    s.close()
+
+
+def _obs(n: int, seed: int) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict({keys.OBS: torch.randn(n, 3, generator=g)}, batch_size=[n])
+
+
+def test_replies_equal_the_local_policy_for_the_same_observations_and_seed(served):
+    served.weights.publish(served.learner, 0)
+    served.start()
+    w0 = {k: v.clone() for k, v in served.learner.state_dict().items()}
+    local, remote = served.local(w0), served.remote(0)
+    td = _obs(4, seed=1)
+    torch.manual_seed(123)
+    got = remote(td)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        want = local(td.clone())
+    for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE):
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert got[keys.POLICY_VERSION].eq(0).all() and remote.version == 0 and remote.incarnation == "L1"
+    torch.testing.assert_close(remote.get_value(td), local.get_value(td), rtol=0, atol=0)
+
+
+def test_requests_from_several_actors_share_one_forward_pass(served):
+    served.weights.publish(served.learner, 0)
+    served.start()
+    local = served.local({k: v.clone() for k, v in served.learner.state_dict().items()})
+    remotes = [served.remote(0), served.remote(1)]
+    results: dict[int, tuple] = {}
+
+    def ask(i):
+        td = _obs(4, seed=10 + i)
+        results[i] = (td, remotes[i](td))
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert served.server.counts["batches"] == 1 and served.server.counts["envs"] == 8   # one batch of both
+    for td, out in results.values():       # each actor's reply is its own observations' action, log-prob, value
+        with torch.no_grad():
+            logp, _, value = local.evaluate_actions(TensorDict({keys.OBS: td[keys.OBS], keys.ACTION: out[keys.ACTION]},
+                                                               batch_size=[4]))
+        torch.testing.assert_close(out[keys.LOG_PROB], logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[keys.VALUE], value, rtol=1e-5, atol=1e-5)
+
+
+def test_every_step_records_the_version_that_acted_across_a_weight_swap(served):
+    """The collector through the server; version 1 is published after the 5th call. Each step's
+    stamped version is the one whose weights give its log-prob and value."""
+    served.weights.publish(served.learner, 0)
+    served.start()
+    w = {0: {k: v.clone() for k, v in served.learner.state_dict().items()}}
+    with torch.no_grad():
+        for p in served.learner.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    w[1] = {k: v.clone() for k, v in served.learner.state_dict().items()}
+    remote = served.remote(0)
+    calls = [0]
+    real_call = remote.__call__
+
+    class Counting:   # publish v1 once the collector has made 5 acting calls
+        critic, device, stamps_versions = True, torch.device("cpu"), True
+
+        def __call__(self, td):
+            calls[0] += 1
+            if calls[0] == 5:
+                served.weights.publish(served.learner, 1)
+            return real_call(td)
+
+        def get_value(self, td):
+            return remote.get_value(td)
+
+        def parameters(self):
+            return remote.parameters()
+
+    env = make_env(ENV, 4)
+    try:
+        col = Collector(env, Counting(), num_steps=16, seed=0)
+        td, _, _ = col.collect(version=-1)
+    finally:
+        env.close()
+    versions = td[keys.POLICY_VERSION]
+    assert versions[:, :4].eq(0).all() and versions[:, -1].eq(1).all(), versions[0]
+    assert bool((versions[:, 1:] >= versions[:, :-1]).all())
+    for v in (0, 1):
+        local = served.local(w[v])
+        steps = versions[0] == v
+        flat = td[:, steps].reshape(-1)
+        with torch.no_grad():
+            logp, _, value = local.evaluate_actions(flat)
+        torch.testing.assert_close(flat[keys.LOG_PROB], logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flat[keys.VALUE], value, rtol=1e-5, atol=1e-5)
+
+
+def test_a_silent_or_dead_actor_does_not_stall_the_others(tmp_path):
+    s = Served(tmp_path, server_max_wait_ms=50.0)
+    try:
+        s.weights.publish(s.learner, 0)
+        s.start()
+        gone = s.remote(0)
+        gone(_obs(4, 0))                                   # actor 0 is served once ...
+        frames = wire.encode(_obs(4, 1), kind="act", actor=0, id=99)
+        gone.sock.send_multipart(frames)                   # ... asks again, and dies before the reply
+        gone.close()
+        alive = s.remote(1)
+        t0 = time.monotonic()
+        for i in range(10):                                # actor 1 alone: each batch waits at most 50 ms
+            alive(_obs(4, 2 + i))
+        assert time.monotonic() - t0 < 5.0
+        assert s.server.counts["replies"] >= 11
+    finally:
+        s.close()
+
+
+def test_a_request_waits_for_the_version_it_asks_for(served):
+    """Standard mode: an actor's first request of a rollout names the version it needs; the server
+    holds it (serving others meanwhile) until that version is loaded."""
+    served.weights.publish(served.learner, 0)
+    served.start()
+    waiting, other = served.remote(0), served.remote(1)
+    waiting.min_version = 1
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("out", waiting(_obs(4, 0))))
+    t.start()
+    other(_obs(4, 1))                                       # served at version 0 meanwhile
+    assert other.version == 0 and t.is_alive()
+    served.weights.publish(served.learner, 1)
+    t.join(timeout=10)
+    assert got["out"][keys.POLICY_VERSION].eq(1).all() and waiting.min_version == -1
+
+
+def test_a_remote_call_ends_on_stop_while_no_server_answers(tmp_path):
+    s = Served(tmp_path)         # never started: nobody answers
+    try:
+        remote = s.remote(0)
+        stop = threading.Event()
+        remote.should_stop = stop.is_set
+        threading.Timer(0.3, stop.set).start()
+        with pytest.raises(InferenceStopped):
+            remote(_obs(4, 0))
+    finally:
+        s.close()
+
+
+def _valid_frames(actor: int = 0, n: int = 4) -> tuple[TensorDict, dict]:
+    return _obs(n, 0), {"kind": "act", "actor": actor, "id": 1, "seq": 0}
+
+
+@pytest.mark.parametrize("td, meta, why", [
+    (_obs(4, 0), {"kind": "rollout", "actor": 0, "id": 1}, "kind"),
+    (_obs(4, 0), {"kind": "act", "actor": 7, "id": 1}, "not one this server acts for"),
+    (_obs(4, 0), {"kind": "act", "actor": 0}, "'id'"),
+    (_obs(4, 0), {"kind": "act", "actor": 0, "id": 1, "min_version": -5}, "min_version"),
+    (_obs(9, 0), {"kind": "act", "actor": 0, "id": 1}, "batch size"),
+    (TensorDict({keys.OBS: torch.zeros(4, 5)}, [4]), {"kind": "act", "actor": 0, "id": 1}, "does not match"),
+    (TensorDict({keys.OBS: torch.zeros(4, 3, dtype=torch.float64)}, [4]), {"kind": "act", "actor": 0, "id": 1},
+     "does not match"),
+    (TensorDict({keys.OBS: torch.full((4, 3), float("nan"))}, [4]), {"kind": "act", "actor": 0, "id": 1}, "NaN"),
+    (TensorDict({keys.OBS: torch.zeros(4, 3), "x": torch.zeros(4)}, [4]), {"kind": "act", "actor": 0, "id": 1},
+     "carries only"),
+])
+def test_malformed_requests_are_named_dropped_and_counted(served, td, meta, why, caplog):
+    served.server._take([zmq.Frame(b"sender"), *wire.encode(td, **meta)])
+    assert served.server.counts["malformed"] == 1 and not served.server.waiting
+    assert why in caplog.text
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_fuzzed_requests_never_stop_the_server(tmp_path, seed):
+    s = Served(tmp_path)
+    try:
+        td, meta = _valid_frames()
+        frames = mutated_message(td, meta, random.Random(seed))
+        s.server._take([zmq.Frame(b"fuzz"), *[zmq.Frame(f) for f in frames]])
+        c = s.server.counts
+        assert c["malformed"] + len(s.server.waiting) == 1       # dropped and counted, or a request it can serve
+        for r in s.server.waiting:                                # what it kept is of the schema
+            assert r.obs.shape[1:] == (3,) and r.obs.dtype == torch.float32 and 1 <= r.n <= 4
+    finally:
+        s.close()
+
+
+def test_the_queue_is_bounded(tmp_path):
+    s = Served(tmp_path, server_queue=3)
+    try:
+        for i in range(5):
+            td, meta = _valid_frames()
+            s.server._take([zmq.Frame(b"a"), *wire.encode(td, **{**meta, "id": i})])
+        assert len(s.server.waiting) == 3 and s.server.counts["busy"] == 2
+    finally:
+        s.close()
+
+
+def test_the_config_refuses_what_a_server_cannot_do():
+    two = _cfg(devices=["cpu", "cuda:0", "cpu"], num_actors=4)       # actor i: devices[i % 3]; one server per device
+    assert [server_of(two, i) for i in range(4)] == [0, 1, 0, 0]
+    for bad in ({"weights_at": "rollout"}, {"sync_every": 2}, {"emulated_devices": ["d0"]}):
+        with pytest.raises(ConfigError, match="inference"):
+            _cfg(**bad)
