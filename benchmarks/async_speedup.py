@@ -18,8 +18,9 @@ the same updates), and infers on the same emulated devices (``actors.emulated_de
 one device take turns, across processes; ``actors/emulated_device.py``):
 
 - 1 device: ``standard 1x64`` (one actor with every env), ``vla 4x16 shared`` (four actors of 16
-  envs taking turns on the one device), ``thread 64`` (the seed's one-process design, the lock being
-  the device);
+  envs taking turns on the one device), ``vla 4x16 server`` (the four actors' calls batched into one
+  by an inference server, ``actors.inference=server``, whose every call costs ``a + b x batch``),
+  ``thread 64`` (the seed's one-process design, the lock being the device);
 - 4 devices: ``standard 4x16`` and ``vla 4x16``, an actor per device.
 
 For each group the table prints the speed-up over the group's standard variant on the training
@@ -115,7 +116,8 @@ class Variant:
     actors: int
     kind: str                          # "process" (run_local.sh) or "thread" (in this process)
     group: str = "unequal"             # variants compared with each other: the same inference hardware
-    devices: str = ""                  # emulated devices: "one" shared by all actors, "own" one each, "" none
+    devices: str = ""                  # emulated devices: "one" shared by all actors, "own" one each, "" none;
+                                       # "server": one inference server acts for all (actors.inference)
 
     def __iter__(self):                # (label, buffer_type, actors, kind), as the tuples this replaced
         return iter((self.label, self.buffer_type, self.actors, self.kind))
@@ -134,6 +136,7 @@ VARIANTS = {
     "std1-1dev": Variant("standard 1x64", "standard", 1, "process", "1 device", "one"),
     "vla4-1dev": Variant("vla 4x16 shared", "vla", 4, "process", "1 device", "one"),
     "thread-1dev": Variant("thread 64", "vla", 1, "thread", "1 device", "one"),
+    "server4-1dev": Variant("vla 4x16 server", "vla", 4, "process", "1 device", "server"),
     "std4-4dev": Variant("standard 4x16", "standard", 4, "process", "4 devices", "own"),
     "vla4-4dev": Variant("vla 4x16", "vla", 4, "process", "4 devices", "own"),
     # Unequal (the earlier comparison): every actor adds --num-envs envs and an inference engine of its
@@ -199,6 +202,8 @@ def variant_overrides(args, v: Variant) -> list[str]:
     steps, k = rollout_shape(args, actors, equal)
     devices = {"one": ["dev0"], "own": [f"dev{i}" for i in range(actors)]}.get(v.devices, [])
     extra = [f"actors.emulated_devices={json.dumps(devices)}"] if devices and v.kind == "process" else []
+    if v.devices == "server":   # the device is the server's: it batches the 4 actors' calls into one
+        extra = ["actors.inference=server"]
     return list(args.sets) + extra + [
         f"trainer.buffer_type={buffer_type}",
         f"actors.num_actors={actors}",

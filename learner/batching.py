@@ -35,6 +35,13 @@ class Batcher:
     def __init__(self, cfg: Config, template: TensorDictBase, k: int, version: Callable[[], int],
                  drop: Callable[[dict, str], None]):
         t = cfg.trainer
+        # GRPO's dynamic sampling: a batch is k rollouts' worth of groups whose outcomes differ
+        alg = cfg.algorithm.cfg
+        self.groups_of = None
+        if getattr(alg, "dynamic_sampling", False):
+            from learner.grpo import informative_groups
+            self.groups_of = lambda td: int(informative_groups(td["reward"], td["done"], alg).sum())
+            self.target_groups = k * (cfg.actors.num_envs // alg.group_size)
         self.standard = t.buffer_type == "standard"
         self.max_lag = 0 if self.standard else t.max_policy_lag
         self.k, self.version, self.drop = k, version, drop
@@ -47,10 +54,16 @@ class Batcher:
         return len(self.buffer)
 
     def put(self, td: TensorDictBase, info: dict) -> None:
-        """Store one accepted rollout (any thread), unless it is already too old to train on."""
+        """Store one accepted rollout (any thread), unless it is already too old to train on (or,
+        with dynamic sampling, none of its groups' outcomes differ)."""
         if self.version() - info["policy_version"] > self.max_lag:
             self.drop(info, "lag")
             return
+        if self.groups_of is not None:
+            info["groups"] = self.groups_of(td)
+            if not info["groups"]:
+                self.drop(info, "uninformative")
+                return
         overwritten = self.buffer.put(td, info)
         if overwritten is not None:
             self.drop(overwritten, "overwritten")
@@ -60,6 +73,8 @@ class Batcher:
     def take(self, timeout_s: float = 0.05) -> tuple[TensorDictBase, list[dict]] | None:
         """The next `k` rollouts ``[k, N, T]`` with their infos, or None if they are not all there
         within `timeout_s`. Rollouts too old for the current version are dropped."""
+        if self.groups_of is not None:
+            return self._take_groups(timeout_s)
         need = self.k - len(self._pending)
         t0 = time.perf_counter()
         with self._data_ready:
@@ -73,6 +88,9 @@ class Batcher:
             self._pending += [(taken.data[i], info) for i, info in enumerate(taken.infos)]
         if len(self._pending) < self.k:
             return None
+        return self._hand_over()
+
+    def _hand_over(self) -> tuple[TensorDictBase, list[dict]]:
         if self.standard:
             # Arrival order between actors is a race; actor order is not. Same seed, same run.
             self._pending.sort(key=lambda p: (p[1]["actor"], p[1]["seq"] if isinstance(p[1]["seq"], int) else 0))
@@ -80,6 +98,35 @@ class Batcher:
         infos = [i for _, i in self._pending]
         self._pending = []
         return data, infos
+
+    def _take_groups(self, timeout_s: float) -> tuple[TensorDictBase, list[dict]] | None:
+        """Dynamic sampling: rollouts one by one until they hold `target_groups` informative groups."""
+        t0 = time.perf_counter()
+        deadline = t0 + timeout_s
+        while sum(i["groups"] for _, i in self._pending) < self.target_groups:
+            with self._data_ready:
+                if not len(self.buffer):
+                    self._data_ready.wait(max(0.0, deadline - time.perf_counter()))
+            taken = self.buffer.take(1, min_version=self.version() - self.max_lag)
+            for info in taken.stale:
+                self.drop(info, "stale")
+            if taken.data is not None:
+                self._pending.append((taken.data[0], taken.infos[0]))
+            elif time.perf_counter() >= deadline:
+                self.wait_s += time.perf_counter() - t0
+                return None
+        self.wait_s += time.perf_counter() - t0
+        return self._hand_over()
+
+    def held(self) -> dict[int, int]:
+        """Per actor, rollouts waiting here for the rest of a dynamic-sampling batch: for pacing they
+        count as finished, or actors out of credit and a learner short of groups would wait for each
+        other. (Without dynamic sampling a batch never needs more than the credits allow: none.)"""
+        counts: dict[int, int] = {}
+        if self.groups_of is not None:
+            for _, info in self._pending:
+                counts[info["actor"]] = counts.get(info["actor"], 0) + 1
+        return counts
 
     def drop_unconsumed(self, reason: str) -> None:
         """Drop every rollout still held (buffer and partial batch), each with `reason`."""

@@ -12,8 +12,9 @@ from collections import deque
 from typing import Any
 
 COUNT_KEYS = ("rollouts", "dropped_lag", "overwritten", "dropped_other", "malformed", "rejected", "skipped_steps",
-              "failed_updates", "updates_cut_short")
-DROP_KEYS = {"lag": "dropped_lag", "stale": "dropped_lag", "overwritten": "overwritten"}   # else dropped_other
+              "failed_updates", "updates_cut_short", "dropped_uninformative")
+DROP_KEYS = {"lag": "dropped_lag", "stale": "dropped_lag", "overwritten": "overwritten",
+             "uninformative": "dropped_uninformative"}   # else dropped_other
 RECENT = 100   # episodes the train/ statistics average over
 MAX_FAILED_UPDATES = 10   # updates in a row with no finite optimiser step before the run stops
 

@@ -102,6 +102,21 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
     return adv, mask
 
 
+DYNAMIC_SAMPLING_TOL = 1e-6
+
+
+@torch.no_grad()
+def informative_groups(reward: torch.Tensor, done: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """Dynamic sampling: for each group of `reward`/`done` ``[B, T]``, whether its members' outcomes
+    differ (bool ``[B // group_size]``): some step the group takes part in has a non-zero advantage
+    before scaling (the returns the baseline compares are not all within :data:`DYNAMIC_SAMPLING_TOL`).
+    A group that fails this has zero advantage at every step."""
+    adv, mask = grpo_advantages(reward, done, cfg.group_size, cfg.gamma, cfg.eps, cfg.truncate_at_first_done,
+                                scale_by_std=False, baseline=cfg.baseline, loss_mean="step")
+    spread = (adv.abs() * mask).reshape(-1, cfg.group_size * adv.shape[1]).amax(1)
+    return spread > DYNAMIC_SAMPLING_TOL
+
+
 def grpo_loss(policy: nn.Module, mb: TensorDictBase, cfg: GRPOConfig) -> dict[str, torch.Tensor]:
     """Losses and diagnostics on one minibatch ``[B]`` of unmasked samples."""
     new_logp, entropy, _ = policy.evaluate_actions(mb)
@@ -181,9 +196,16 @@ class GRPO:
         adv, mask = grpo_advantages(batch[keys.REWARD], batch[keys.DONE], c.group_size, c.gamma, c.eps,
                                     c.truncate_at_first_done, c.scale_by_std, baseline=c.baseline,
                                     loss_mean=c.loss_mean)
+        out = {}
+        if c.dynamic_sampling:   # the groups whose outcomes all agree reach neither the loss nor its mean
+            keep = informative_groups(batch[keys.REWARD], batch[keys.DONE], c)
+            rows = keep.repeat_interleave(c.group_size).unsqueeze(1)
+            mask = mask & rows
+            adv = adv * rows
+            out = {"groups_kept": float(keep.sum()), "groups_dropped": float((~keep).sum())}
         batch.set(keys.ADVANTAGE, adv)
         batch.set(MASK, mask)
-        return {}
+        return out
 
     def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:
         return grpo_update(policy, self.ref_policy, self.optimizer, batch, self.cfg, self.generator, hooks,

@@ -236,6 +236,8 @@ class Learner:
     def finished_counts(self) -> list[int]:
         """Per actor, its rollouts consumed or dropped, over every learner rank."""
         mine = self.stats.finished()
+        for actor, n in self.batcher.held().items():   # dynamic sampling: waiting for more groups
+            mine[actor] += n
         if self.peer_finished is not None:
             mine = [a + b for a, b in zip(mine, self.peer_finished)]
         return mine

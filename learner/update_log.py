@@ -56,6 +56,8 @@ class UpdateLog:
                                                              "bootstrap_shift", "masked_frac", "prox_weight_mean")
                        if k in stats})
         values["train/learning_rate"] = learning_rate
+        if "groups_kept" in stats:   # GRPO's dynamic sampling: groups trained on and left out of this update
+            values.update({"grpo/groups_kept": stats["groups_kept"], "grpo/groups_dropped": stats["groups_dropped"]})
         if "side_share" in stats:   # learner.critic_thread: the share of value losses run on its thread
             values["train/critic_thread_share"] = stats["side_share"]
         if "idle_threads_share" in stats:   # learner.torch_threads "idle": the share run on every core
@@ -88,7 +90,8 @@ class UpdateLog:
         values.update({"buffer/fill": buffer_fill, "buffer/dropped_lag": counts["dropped_lag"],
                        "buffer/overwritten": counts["overwritten"], "wire/malformed": counts["malformed"],
                        "wire/rejected": counts["rejected"], "train/skipped_steps_total": counts["skipped_steps"],
-                       "train/failed_updates": counts["failed_updates"]})
+                       "train/failed_updates": counts["failed_updates"],
+                       "grpo/rollouts_uninformative": counts["dropped_uninformative"]})
         if "masked_samples" in counts:
             values["offpolicy/masked_samples_total"] = counts["masked_samples"]
         if auth_refused is not None:

@@ -557,6 +557,14 @@ class GRPOConfig(ClippedPGConfig):
     """Reset every env at the start of each rollout (a new seed per group and per rollout)."""
     truncate_at_first_done: bool = True
     """An env contributes only up to its first episode end in the rollout."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO, Yu et al. 2025; SimpleVLA-RL): a group whose members' outcomes are
+    all the same (all succeeded or all failed, for a 0/1 reward) has zero advantage everywhere and
+    teaches nothing; leave it out of the loss, and keep the batch size by taking more rollouts until
+    an update holds as many groups that differ as rollouts_per_update rollouts would. A rollout with
+    no such group is dropped at once (counted as "uninformative"). "The same" is what the baseline
+    compares: within 1e-6 of each other. Needs trainer.buffer_type "vla" (standard mode trains each
+    version on exactly the rollouts acted by it, and has no more to take)."""
 
 
 GRPO_EPISODE_NEEDS_TRUNCATION = {
@@ -797,6 +805,10 @@ def _check(cfg: Config) -> list[str]:
     if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
         errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
                       f"{a.sync_every} asks to hold weights for several rollouts: choose one")
+    if getattr(alg, "dynamic_sampling", False) and t.buffer_type != "vla":
+        errors.append("algorithm.cfg.dynamic_sampling needs trainer.buffer_type \"vla\": it takes more rollouts "
+                      "than rollouts_per_update when groups are dropped, and standard mode has no more of a "
+                      "version than that")
     if a.inference == "server":
         if t.buffer_type == "vla" and a.weights_at == "rollout":
             errors.append("actors.weights_at \"rollout\" and actors.inference \"server\": the server holds one copy "

@@ -290,3 +290,69 @@ def test_bad_combinations_name_file_and_keys(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"grpo_bad\.json: algorithm\.cfg\.gae_lambda: unknown key"):
         load_config(path)
+
+
+def _ds_config(**alg):
+    return config_from_dict({
+        "trainer": {"seed": 2, "buffer_size": 6, "buffer_type": "vla", "max_policy_lag": 4, "eval_freq": 0,
+                    "save_freq": 0},
+        "actors": {"num_actors": 1, "num_envs": 4},
+        "env": {"id": "Pendulum-v1"},
+        "policy": {"name": "actor_only", "critic": None, "actor": {"network_cfg": {"hidden_sizes": [8]}}},
+        "algorithm": {"name": "grpo", "cfg": {"group_size": 2, "batch_size": 8, "dynamic_sampling": True, **alg}},
+    }, source="test")
+
+
+def test_informative_groups_are_those_whose_outcomes_differ():
+    from learner.grpo import informative_groups
+    cfg = GRPOConfig(group_size=2, baseline="episode", loss_mean="episode", gamma=1.0)
+    reward = torch.tensor([[0., 1.], [0., 1.],      # group 0: both succeed at the same step
+                           [0., 0.], [0., 0.],      # group 1: both fail
+                           [0., 1.], [0., 0.]])     # group 2: one of each
+    done = torch.tensor([[False, True], [False, True], [False, True], [False, True], [False, True], [False, True]])
+    assert informative_groups(reward, done, cfg).tolist() == [False, False, True]
+    cfg = GRPOConfig(group_size=2, gamma=0.9)        # baseline "step": returns-to-go compared at every step
+    assert informative_groups(reward, done, cfg).tolist() == [False, False, True]
+
+
+def test_dynamic_sampling_keeps_identical_groups_out_and_the_batch_size(tmp_path):
+    """Three rollouts of 2 groups each (k = 1: an update wants 2 groups that differ). The first and
+    third have one such group each, the second none: it is dropped at once, and the update trains on
+    the first and third with their identical groups masked out."""
+    cfg = _ds_config()
+    runner = SerialRunner(cfg, tmp_path)
+    learner = runner.learner
+    same = torch.zeros(6)
+    differ = torch.arange(6, dtype=torch.float32)
+    plans = [(same, differ), (same, same), (differ, same)]      # (group 0, group 1) rewards of env 0
+    sent = []
+    for g0, g1 in plans:
+        (rollout, meta), = runner.collect()
+        # a group that differs: its second env earns one more at every step
+        reward = torch.stack([g0, g0 + (g0 is differ) * 1.0, g1, g1 + (g1 is differ) * 1.0])
+        rollout[keys.REWARD] = reward
+        rollout[keys.DONE] = torch.zeros_like(rollout[keys.DONE])
+        rollout[keys.TERMINATED] = torch.zeros_like(rollout[keys.TERMINATED])
+        rollout[keys.TRUNCATED] = torch.zeros_like(rollout[keys.TRUNCATED])
+        learner.ingest(rollout, meta)
+        sent.append(meta["seq"])
+        if len(sent) == 1:   # one group short: held for the next rollout, and counted as finished for pacing
+            assert learner.take_batch(timeout_s=0) is None and learner.finished_counts() == [1]
+    assert learner.stats.counts["dropped_uninformative"] == 1
+    data, infos = learner.take_batch(timeout_s=0)
+    assert learner.finished_counts() == [1]          # the dropped one; the two taken are consumed by the update
+    assert [i["seq"] for i in infos] == [sent[0], sent[2]] and [i["groups"] for i in infos] == [1, 1]
+    flat = data.reshape(-1, data.shape[-1])
+    stats = learner.algorithm.prepare(flat, torch.zeros(flat.numel()))
+    mask = flat[MASK]
+    assert stats == {"groups_kept": 2.0, "groups_dropped": 2.0}
+    assert mask[[0, 1, 6, 7]].eq(False).all() and mask[[2, 3, 4, 5]].all()    # identical groups out, others in
+    assert flat[keys.ADVANTAGE][~mask].eq(0).all()
+    stats = learner.update_once(data, infos)
+    assert stats["samples"] == 4 * cfg.trainer.buffer_size      # two groups of two envs
+    runner.close()
+
+
+def test_dynamic_sampling_needs_vla_mode():
+    with pytest.raises(ConfigError, match="dynamic_sampling needs trainer.buffer_type"):
+        grpo_config(dynamic_sampling=True)
