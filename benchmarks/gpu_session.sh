@@ -35,6 +35,11 @@
 #  10. reach-gains: benchmarks/reach_gains.py on the device: Reach fine-tuning settings x seeds, runs in
 #      parallel on the machine's cores, each run's and the starting model's success on the first and
 #      held-out sets. Its arguments come from $TANDEM_REACH_GAINS (default: the GRPO config on seeds 1-3).
+#  11. inference-server: benchmarks/inference_server.py on the device: 8 actors x 4 envs of the 0.5B
+#      action-token model (bf16 autocast), actors.inference local (8 copies) against server (one copy,
+#      batched): env steps/s, the acting processes' device memory, the server's batches (issue 47)
+#  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
+#      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
 #
 # MuJoCo Warp where no registry is reachable: the warp-lang wheel (149 MB) is more than one device call
 # carries, so it travels in pieces, staged by earlier calls into $WARP_STAGE (default /tmp/warp-stage):
@@ -183,6 +188,18 @@ if want reach-gains; then
   # its runs and evaluations go into runs.tgz (a device call returns only a few files); gains.json also here
   step reach-gains 560 "$PY" benchmarks/reach_gains.py "${RG_ARGS[@]}" --device "$DEV" --out "$RUNS/reach_gains"
   cp "$RUNS/reach_gains/gains.json" "$OUTDIR/" 2>/dev/null
+fi
+
+want inference-server && step inference-server 175 "$PY" benchmarks/inference_server.py \
+  --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 1024 \
+  --buffer-size 8 --timeout 80 --set policy.vla_config.autocast=true --set learner.device=$DEV \
+  --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
+if want reach-ds; then
+  step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \
+    --parallel 6 --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \
+    --set trainer.buffer_type=vla --variant vla --variant "dynamic algorithm.cfg.dynamic_sampling=true" \
+    --device "$DEV" --out "$RUNS/reach_ds"
+  cp "$RUNS/reach_ds/gains.json" "$OUTDIR/reach_ds_gains.json" 2>/dev/null
 fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null

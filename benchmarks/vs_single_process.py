@@ -7,7 +7,8 @@
 In one sitting, for every seed in turn, every variant trains the config to the same env steps:
 
 - ``shipped`` -- ``launch/run_local.sh --config C``, the config as it is (evaluating at the end only,
-  as every variant does); ``shipped_evals`` -- the same with its periodic evaluations too.
+  as every variant does); ``shipped_evals`` -- the same with its periodic evaluations too;
+  ``shipped_compile`` -- shipped with ``learner.compile=compile`` (the loss through torch.compile).
 - ``standard`` -- ``launch/run_local.sh --config C``, the config as it is, with
   ``trainer.buffer_type=standard``: collect, then train, the actors waiting for every update.
 - ``overlap`` -- the same with ``trainer.buffer_type=vla``, ``lag_policy=pace``,
@@ -68,13 +69,14 @@ from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_sig
                      tail)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
-VARIANTS = ("shipped", "shipped_evals", "standard", "overlap", "overlap_idle", "overlap_threads", "plain", "sb3")
+VARIANTS = ("shipped", "shipped_evals", "shipped_compile", "standard", "overlap", "overlap_idle", "overlap_threads", "plain", "sb3")
 _OVERLAP = ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1", "actors.nice=10",
             "actors.weights_at=rollout"]
 # Every variant evaluates once, at the end, as sb3 and plain do: Tandem's periodic evaluations (a
 # child process stepping its own envs while the run trains) would be work the others do not do.
 _EVAL_AT_END = ["trainer.eval_freq=0"]
 TANDEM_SETS = {"shipped": [*_EVAL_AT_END], "shipped_evals": [],
+               "shipped_compile": [*_EVAL_AT_END, "learner.compile=compile"],
                "standard": [*_EVAL_AT_END, "trainer.buffer_type=standard"], "overlap": [*_EVAL_AT_END, *_OVERLAP],
                "overlap_idle": [*_EVAL_AT_END, *_OVERLAP, "learner.critic_thread=idle"],
                "overlap_threads": [*_EVAL_AT_END, *_OVERLAP, "learner.torch_threads=idle"]}

@@ -1,0 +1,202 @@
+"""Slow policies, many actors: ``actors.inference`` local (a copy per actor) against server (one copy
+per device, batched), on the same work, in one sitting.
+
+    .venv/bin/python benchmarks/inference_server.py [--config configs/cartpole_ppo.json] [--actors 1,2,4,8]
+        [--num-envs 4] [--latency 0.2] [--latency-per-env 0.0] [--steps 4096] [--buffer-size 16]
+        [--device cpu] [--modes local,server] [--json out.json] [--set KEY=VALUE ...]
+
+For every number of actors A in ``--actors`` and every mode, one ``launch/run_local.sh`` run in vla
+mode trains ``--steps`` env steps with A actors of ``--num-envs`` envs, one rollout of
+``--buffer-size`` steps from each actor per update (the same samples per update in both modes):
+
+- ``local``: every actor acts with its own copy. On the CPU the actors share one emulated device
+  (``actors.emulated_devices``: they take turns, as processes sharing one GPU do) whose every call
+  costs ``--latency`` a + ``--latency-per-env`` b x envs (``benchmarks/calibrate_latency.py``
+  measures a and b for a real model); on a GPU (``--device cuda:0``) every actor runs the config's
+  model there, and the hardware sets the cost.
+- ``server``: ``actors.inference=server``: one inference server holds the only copy and batches the
+  actors' calls (on the CPU each batch costs ``a + b x batch``).
+
+It prints, per run: env steps/s over the training window (first rollout received to the last),
+the peak memory of the acting processes together (the actors and the server: resident memory on the
+CPU; on a GPU, the device memory ``nvidia-smi`` reports for them), the final return, the server's
+mean batch in envs and in requests; then the ratio server / local at each A. The equal-hardware
+speed-up against standard mode and its overlap bound are ``benchmarks/async_speedup.py``'s (variant
+``server4-1dev``).
+
+Nothing the script starts outlives it (each launcher is stopped with its process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import (BenchmarkError, machine_info, raise_on_signal, start_launcher, stop_launcher,  # noqa: E402
+                     tail)
+
+import psutil  # noqa: E402
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cartpole_ppo.json"
+POLL_S = 0.2
+
+
+def overrides(args, actors: int, mode: str) -> list[str]:
+    sets = list(args.sets) + [
+        "trainer.buffer_type=vla", f"actors.num_actors={actors}", f"actors.num_envs={args.num_envs}",
+        f"trainer.total_steps={args.steps}", f"trainer.buffer_size={args.buffer_size}",
+        f"trainer.rollouts_per_update={actors}", "trainer.eval_freq=0", "trainer.save_freq=0",
+        f"trainer.buffer_capacity={max(8, 2 * actors)}",
+        f"algorithm.cfg.batch_size={min(256, actors * args.num_envs * args.buffer_size)}",
+        f"actors.devices={json.dumps([args.device])}",
+    ]
+    if args.device == "cpu":
+        sets += [f"actors.inference_latency_s={args.latency}", f"actors.inference_latency_per_env_s={args.latency_per_env}"]
+    if mode == "server":
+        sets += ["actors.inference=server", f"actors.server_max_wait_ms={args.max_wait_ms}"]
+    elif args.device == "cpu":
+        sets += ['actors.emulated_devices=["dev0"]']
+    return sets
+
+
+def acting_pids(run_dir: Path) -> list[int]:
+    """The run's actor and inference-server processes."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(p.info.get("cmdline") or [])
+        if str(run_dir) in line and ("-m actors " in line + " " or "-m actors.inference" in line):
+            out.append(p.info["pid"])
+    return out
+
+
+def memory_mib(pids: list[int], device: str) -> float:
+    """The acting processes' memory together: resident (CPU) or on the device (nvidia-smi)."""
+    if device.startswith("cuda"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return 0.0
+        used = {int(a): float(b) for a, b in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+        return sum(used.get(p, 0.0) for p in pids)
+    total = 0.0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss / 2**20
+        except psutil.Error:
+            pass
+    return total
+
+
+def server_batches(run_dir: Path) -> dict:
+    """The server's own account at its end: batches, mean envs per batch; and the mean requests per
+    batch of its progress lines."""
+    log = run_dir / "logs" / "inference_0.log"
+    if not log.exists():
+        return {}
+    text = log.read_text(errors="replace")
+    out = {}
+    m = re.findall(r"stopping after (\d+) batches \(([\d.]+) envs each\)", text)
+    if m:
+        out["batches"], out["batch_envs"] = int(m[-1][0]), float(m[-1][1])
+    reqs = [float(x) for x in re.findall(r"envs \(max \d+\) from ([\d.]+) requests each", text)]
+    if reqs:
+        out["batch_requests"] = sum(reqs) / len(reqs)
+    return out
+
+
+def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
+    run_dir = out_dir / f"{mode}_{actors}"
+    cmd = ["--config", str(args.config)] + [x for o in overrides(args, actors, mode) for x in ("--set", o)]
+    t0 = time.monotonic()
+    p = start_launcher(cmd, run_dir)
+    peak = 0.0
+    try:
+        while p.poll() is None:
+            if time.monotonic() - t0 > args.timeout:
+                raise BenchmarkError(f"{mode} x{actors}: not done in {args.timeout:.0f} s:\n{tail(run_dir / 'launcher.log')}")
+            peak = max(peak, memory_mib(acting_pids(run_dir), args.device))
+            time.sleep(POLL_S)
+        if p.returncode != 0:
+            raise BenchmarkError(f"{mode} x{actors}: exit {p.returncode}:\n{tail(run_dir / 'launcher.log')}")
+    finally:
+        stop_launcher(p)
+    wall = time.monotonic() - t0
+    s = json.loads((run_dir / "summary.json").read_text())
+    window = s["last_rollout_time"] - s["first_rollout_time"]
+    row = {"mode": mode, "actors": actors, "envs": actors * args.num_envs, "wall_s": wall, "window_s": window,
+           "env_steps": s["env_steps"], "sps": s["env_steps"] / window if window > 0 else None,
+           "peak_mib": peak, "return": s.get("last_eval/return_mean"), "updates": s["updates"]}
+    row.update(server_batches(run_dir) if mode == "server" else {})
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    p.add_argument("--actors", default="1,2,4,8")
+    p.add_argument("--num-envs", type=int, default=4)
+    p.add_argument("--latency", type=float, default=0.2, help="a: seconds per acting call (CPU)")
+    p.add_argument("--latency-per-env", type=float, default=0.0, help="b: seconds per env in a call (CPU)")
+    p.add_argument("--steps", type=int, default=4096)
+    p.add_argument("--buffer-size", type=int, default=16)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--modes", default="local,server")
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary one)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, raise_on_signal)
+    import tempfile
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="tandem-inference-"))
+    counts = [int(x) for x in args.actors.split(",")]
+    modes = args.modes.split(",")
+    info = machine_info()
+    print(f"[inference] {args.config.name}: {args.steps:,} env steps, actors {counts} x {args.num_envs} envs, "
+          f"rollouts of {args.buffer_size}, device {args.device}"
+          + (f", a = {args.latency} s + b = {args.latency_per_env} s x envs per call" if args.device == "cpu" else "")
+          + f" | {info}")
+    rows = []
+    for a in counts:
+        for mode in modes:
+            try:
+                row = one_run(args, a, mode, out_dir)
+            except BenchmarkError as e:
+                row = {"mode": mode, "actors": a, "error": str(e)[:2000]}
+                print(f"[inference] {mode} x{a} failed: {e}", file=sys.stderr)
+            rows.append(row)
+            if "sps" in row:
+                extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests"
+                         if mode == "server" else "")
+                print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s, peak {row['peak_mib']:8.0f} MiB, "
+                      f"return {row['return']}{extra}", flush=True)
+    by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}
+    print(f"\n{'actors':>6} {'local sps':>10} {'server sps':>10} {'server/local':>12} {'local MiB':>10} "
+          f"{'server MiB':>10} {'batch envs':>10} {'requests':>8}")
+    ratios = {}
+    for a in counts:
+        lo, se = by.get(("local", a)), by.get(("server", a))
+        r = se["sps"] / lo["sps"] if lo and se and lo["sps"] else None
+        ratios[a] = r
+        print(f"{a:>6} {lo['sps'] if lo else float('nan'):>10.1f} {se['sps'] if se else float('nan'):>10.1f} "
+              f"{r if r else float('nan'):>11.2f}x {lo['peak_mib'] if lo else float('nan'):>10.0f} "
+              f"{se['peak_mib'] if se else float('nan'):>10.0f} {se.get('batch_envs', float('nan')) if se else float('nan'):>10.1f} "
+              f"{se.get('batch_requests', float('nan')) if se else float('nan'):>8.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                         "machine": info, "rows": rows,
+                                         "server_over_local": {str(k): v for k, v in ratios.items()},
+                                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1) + "\n")
+    return 0 if all("sps" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
