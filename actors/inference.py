@@ -8,7 +8,8 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   the actors on that device become env processes whose :class:`RemotePolicy` sends observations and
   receives actions, log-probs, values and the version that acted;
 - the server gathers requests from all its actors into one forward pass: it waits at most
-  ``actors.server_max_wait_ms`` after the first request, and stops gathering at
+  ``actors.server_max_wait_ms`` after the first request (and at most half its recent time per
+  batch: for a cheap policy, waiting costs more than batching gains), and stops gathering at
   ``actors.server_max_batch`` envs (0: all its actors' envs), so a slow or dead actor never holds a
   batch back for longer than that wait;
 - it takes new weights between batches, never during one, through the same
@@ -152,7 +153,7 @@ class RequestChecker:
         for t in leaves:
             if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
                 raise wire.WireError("observation holds NaN or inf")
-        return Request(route, actor, rid, kind, obs.clone(), n, min_version)
+        return Request(route, actor, rid, kind, obs, n, min_version)   # decode copied it out of the frame
 
 
 def math_prod(shape) -> int:
@@ -189,6 +190,9 @@ class InferenceServer:
         self.actors = served_actors(cfg, server_id)
         self.max_batch = a.server_max_batch or a.num_envs * max(1, len(self.actors))
         self.max_wait_s = a.server_max_wait_ms / 1000.0
+        # Waiting for more requests pays only while it is short next to a forward pass: the wait is
+        # also bounded by half the recent time per batch (a cheap policy then serves what is there).
+        self.forward_ema_s = self.max_wait_s * 2
         self.max_queue = a.server_queue
         self.checker = RequestChecker(spec, a.num_envs, self.actors)
         self.waiting: list[Request] = []        # checked, not served yet (bounded by max_queue)
@@ -246,7 +250,7 @@ class InferenceServer:
             if envs >= self.max_batch:
                 return
             if servable:
-                deadline = min(r.arrived for r in servable) + self.max_wait_s
+                deadline = min(r.arrived for r in servable) + min(self.max_wait_s, 0.5 * self.forward_ema_s)
             remaining = deadline - now
             if not self.sock.poll(max(0, int(remaining * 1000)) if remaining > 0 else 0):
                 if remaining <= 0 or time.perf_counter() >= deadline:
@@ -325,7 +329,9 @@ class InferenceServer:
         w["envs"] += envs
         w["requests"] += len(batch)
         w["max_envs"] = max(w["max_envs"], envs)
-        w["forward_s"] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        w["forward_s"] += took
+        self.forward_ema_s += 0.1 * (took - self.forward_ema_s)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -384,6 +390,7 @@ class RemotePolicy:
         self.min_version = -1                    # asked of the next act request only (standard mode)
         self.version, self.incarnation, self.received_at = -1, None, 0.0
         self._rid = 0
+        self._next_check = 0.0                   # when to look at the endpoint file again
 
     @classmethod
     def connect(cls, ctx: zmq.Context, path: Path, actor_id: int, timeout_s: float, curve=None,
@@ -440,23 +447,22 @@ class RemotePolicy:
         frames = wire.encode(req.cpu() if req.device is not None and req.device.type != "cpu" else req, **meta)
         deadline = time.monotonic() + self.timeout_s
         sent_to = None
-        next_check = 0.0
         while True:
             if self.should_stop():
                 raise InferenceStopped()
             now = time.monotonic()
-            if now >= next_check:     # a (re)started server: connect to it and (re)send
-                next_check = now + ENDPOINT_CHECK_S
+            if now >= self._next_check or self.sock is None:   # a (re)started server: connect to it, (re)send
+                self._next_check = now + ENDPOINT_CHECK_S
                 info = read_endpoint(self.path)
                 if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]):
                     self._connect(info)
                     sent_to = None
-                if self.sock is not None and sent_to != self.server["incarnation"]:
-                    try:
-                        self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                        sent_to = self.server["incarnation"]
-                    except zmq.Again:
-                        pass
+            if self.sock is not None and sent_to != self.server["incarnation"]:
+                try:
+                    self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    sent_to = self.server["incarnation"]
+                except zmq.Again:
+                    pass
             if now > deadline:
                 raise InferenceUnavailable(f"no reply from the inference server ({self.path}) for "
                                            f"{self.timeout_s:.0f} s")

@@ -69,6 +69,31 @@ def capturable_policy(policy: nn.Module) -> bool:
     return getattr(policy, "capturable", False)
 
 
+class _CompiledOrEager:
+    """A loss through ``torch.compile``; if compiling fails (no C++ compiler for inductor on this
+    machine, an op it cannot trace), one line in the log and the loss runs eagerly from then on. The
+    failure comes from the first forward pass, before any gradient or optimiser step, so the
+    minibatch that met it is simply run again eagerly."""
+
+    def __init__(self, fn: LossFn, key: tuple):
+        self.eager, self.key = fn, key
+        self.fn = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False)
+        self.checked = False
+
+    def __call__(self, mb):
+        if self.checked:
+            return self.fn(mb)
+        try:
+            out = self.fn(mb)
+        except Exception as e:   # torch._dynamo / inductor errors have no common public base
+            log.warning("learner.compile \"compile\": the loss %s could not be compiled (%s: %s); it runs eagerly",
+                        self.key, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            self.fn = self.eager
+            out = self.fn(mb)
+        self.checked = True
+        return out
+
+
 class MinibatchStep:
     """One learner's sync-free minibatch step in `mode` (``compile`` or ``graph``), kept across
     updates (the captured graphs with it).
@@ -103,7 +128,7 @@ class MinibatchStep:
         if fn is None:
             fn = make()
             if self.mode == "compile":
-                fn = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False)
+                fn = _CompiledOrEager(fn, key)
             self._losses[key] = fn
         return fn
 

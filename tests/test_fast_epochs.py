@@ -231,6 +231,19 @@ def test_compile_with_inductor_equals_eager(monkeypatch):
     _assert_close_states(p0.state_dict(), p1.state_dict(), 1e-5)
 
 
+def test_a_loss_that_cannot_be_compiled_runs_eagerly(monkeypatch, caplog):
+    """No C++ compiler, or an op the compiler refuses: one line in the log, and the update is the
+    eager one (the minibatch that met the failure took no step before it)."""
+    def refuse(gm, example_inputs):
+        raise RuntimeError("no C++ compiler on this machine")
+    monkeypatch.setattr(fast_epochs, "COMPILE_BACKEND", refuse)
+    p0, _, s0, _ = _ppo_run("off", "none", n_epochs=2)
+    p1, _, s1, _ = _ppo_run("compile", "none", n_epochs=2)
+    assert s0["steps"] == s1["steps"] == 10
+    _assert_close_states(p0.state_dict(), p1.state_dict(), 0)
+    assert caplog.text.count("could not be compiled") == 1 and "runs eagerly" in caplog.text
+
+
 def test_config_refuses_compile_with_the_critic_thread():
     from shared.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="learner.compile 'graph' and learner.critic_thread true"):

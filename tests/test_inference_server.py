@@ -58,7 +58,7 @@ def _cfg(**actors):
 class Served:
     """A server on a thread (real ROUTER socket), and RemotePolicies for its actors."""
 
-    def __init__(self, tmp_path, **actors):
+    def __init__(self, tmp_path, curve=None, **actors):
         self.cfg = cfg = _cfg(**actors)
         self.spec = env_spec(ENV)
         torch.manual_seed(0)
@@ -68,7 +68,10 @@ class Served:
         self.loader = WeightsLoader(self.policy, torch.device("cpu"), cfg.actors, frozen_digest(self.policy), "server")
         self.ctx = zmq.Context()
         self.path = endpoint_path(tmp_path, 0)
-        self.sock, endpoint = bind_router(self.ctx, "127.0.0.1", self.path)
+        if curve is not None:
+            curve.start(self.ctx)
+        self.curve = curve
+        self.sock, endpoint = bind_router(self.ctx, "127.0.0.1", self.path, curve)
         write_endpoint(self.path, endpoint, True, self.loader.base_digest)
         self.stop = threading.Event()
         self.server = InferenceServer(cfg, 0, self.policy, self.loader, self.weights, self.sock, self.spec, self.stop)
@@ -79,8 +82,8 @@ class Served:
         self.thread.start()
         return self
 
-    def remote(self, actor: int, timeout_s: float = 10.0) -> RemotePolicy:
-        r = RemotePolicy.connect(self.ctx, self.path, actor, timeout_s=timeout_s)
+    def remote(self, actor: int, timeout_s: float = 10.0, curve=None) -> RemotePolicy:
+        r = RemotePolicy.connect(self.ctx, self.path, actor, timeout_s=timeout_s, curve=curve)
         self.remotes.append(r)
         return r
 
@@ -98,6 +101,8 @@ class Served:
             r.close()
         self.sock.close(linger=0)
         self.loader.close()
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()
         assert not alive, "the server thread did not stop"
 
@@ -309,3 +314,23 @@ def test_the_config_refuses_what_a_server_cannot_do():
     for bad in ({"weights_at": "rollout"}, {"sync_every": 2}, {"emulated_devices": ["d0"]}):
         with pytest.raises(ConfigError, match="inference"):
             _cfg(**bad)
+
+
+def test_with_curve_only_admitted_keys_are_served(tmp_path):
+    from actors.inference import InferenceUnavailable
+    from shared.security import CurveClient, CurveServer
+    server_pub, server_secret = zmq.curve_keypair()
+    actor_pub, actor_secret = zmq.curve_keypair()
+    s = Served(tmp_path, curve=CurveServer(server_pub, server_secret, {actor_pub}))
+    try:
+        s.weights.publish(s.learner, 0)
+        s.start()
+        admitted = s.remote(0, curve=CurveClient(actor_pub, actor_secret, server_pub))
+        assert admitted(_obs(4, 0))[keys.POLICY_VERSION].eq(0).all()
+        stranger_pub, stranger_secret = zmq.curve_keypair()
+        for curve in (None, CurveClient(stranger_pub, stranger_secret, server_pub)):
+            with pytest.raises(InferenceUnavailable):
+                s.remote(1, timeout_s=1.0, curve=curve)(_obs(4, 1))
+        assert s.curve.refused >= 1
+    finally:
+        s.close()
