@@ -29,6 +29,8 @@ Figures:
   of 5% of the run; one panel per run, one line style per actor.
 - ``sync_delay.png``: weight-sync delay (from the learner publishing a version to an actor first acting with
   it), as a histogram and over time.
+- ``offpolicy_health.png``: per update, the effective sample size of the importance weights, the mean
+  |log pi_k/mu|, KL(mu || pi_k) at the update's start and the KL the update moved, against env steps;
 - ``dropped_episode_bias.png``: mean episode length of the episodes that ended in consumed vs dropped
   rollouts, to show whether dropping favours short or long episodes.
 - ``return_vs_lag.png``: final return (mean of the last 3 evaluations) against the sample-weighted mean lag,
@@ -589,6 +591,31 @@ def plot_sync_delay(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     return fig
 
 
+OFFPOLICY_PANELS = (("offpolicy/ess", "effective sample size (share of the batch)"),
+                    ("offpolicy/log_ratio_abs", "mean |log pi_k / mu|"),
+                    ("offpolicy/kl_behaviour", "KL(mu || pi_k) at the update's start"),
+                    ("loss/approx_kl", "approx. KL moved by the update"))
+
+
+def plot_offpolicy_health(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
+    """How far each update's data was from the policy it trained: ESS, |log pi_k/mu|, KL to mu at the
+    start and the KL the update moved, against env steps (``metrics.jsonl``; the first three are
+    logged with an off-policy correction)."""
+    fig, axes = plt.subplots(1, len(OFFPOLICY_PANELS), figsize=(5 * len(OFFPOLICY_PANELS), 4.5))
+    for ax, (key, label) in zip(axes, OFFPOLICY_PANELS):
+        for run, colour in zip(runs, colours):
+            points = [(m.get("env_steps"), m.get(key)) for m in run.metrics]
+            points = [(x, y) for x, y in points if _num(x) is not None and _num(y) is not None]
+            if points:
+                x, y = np.array(points, dtype=float).T
+                ax.plot(x, y, color=colour, linewidth=1.2, label=run.label)
+        _note_missing(ax, runs, lambda r, k=key: any(_num(m.get(k)) is not None for m in r.metrics),
+                      f"no {key} logged (plain PPO without recomputed values logs none)")
+        _finish(ax, label, "env steps", key)
+    fig.suptitle("Staleness health per update: a falling ESS and a rising KL come before a collapse")
+    return fig
+
+
 def plot_dropped_episode_bias(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     """Figure 6: mean episode length in consumed vs dropped rollouts, a pair of bars per run with counts."""
     fig, ax = plt.subplots(figsize=(max(8.0, 1.6 * len(runs) + 2), 5))
@@ -713,6 +740,9 @@ FIGURES: tuple[tuple[str, str, FigureFn, str], ...] = (
      "Env steps/s the learner received from each actor (consumed or dropped), in bins of 5% of the run."),
     ("sync_delay.png", "Weight-sync delay", plot_sync_delay,
      "Delay from the learner publishing a version to an actor first acting with it: distribution and over time."),
+    ("offpolicy_health.png", "Staleness health per update", plot_offpolicy_health,
+     ("Per update: the effective sample size of the importance weights pi_k/mu as a share of the batch, the "
+      "mean |log pi_k/mu|, KL(mu || pi_k) when the update starts, and the approximate KL the update moved.")),
     ("dropped_episode_bias.png", "Episode length of dropped data", plot_dropped_episode_bias,
      ("Mean length of episodes ending in consumed vs dropped rollouts; a gap means dropping favours short or "
       "long episodes.")),

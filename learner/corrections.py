@@ -130,6 +130,25 @@ class CurrentPolicy:
         return out
 
 
+@torch.no_grad()
+def importance_diagnostics(log_rho: torch.Tensor, rho_bar: float) -> dict[str, float]:
+    """How far the data's behaviour policy mu is from the policy the update starts from (pi_k), from
+    the log importance weights ``log(pi_k / mu)`` of the batch's samples. What to watch for staleness
+    collapse coming (VCPO: the effective sample size predicts it):
+
+    - ``ess``: the effective sample size of the weights as a share of the batch,
+      ``(sum rho)^2 / (N sum rho^2)``: 1 when pi_k = mu, small when a few samples carry the weight;
+    - ``log_ratio_abs``: the mean ``|log(pi_k / mu)|``;
+    - ``kl_behaviour``: KL(mu || pi_k), estimated on mu's samples by ``mean(rho - 1 - log rho)`` (k3);
+    - ``rho_mean``, ``rho_max``, ``rho_clipped_frac`` (the share above `rho_bar`).
+    """
+    rho = log_rho.exp().double()
+    n = rho.numel()
+    return {"ess": float(rho.sum() ** 2 / (n * (rho ** 2).sum())), "log_ratio_abs": float(log_rho.abs().mean()),
+            "kl_behaviour": float((rho - 1 - log_rho.double()).mean()), "rho_mean": float(rho.mean()),
+            "rho_max": float(rho.max()), "rho_clipped_frac": float((rho > rho_bar).double().mean())}
+
+
 class Correction:
     """``none``: plain PPO. The base of every correction, which sets ``advantage`` and
     ``value_target`` on a batch in :meth:`__call__`; a subclass says what differs by its attributes
@@ -210,15 +229,15 @@ class Correction:
             return out, True
         if a.norm_adv and adv.numel() > 1:       # once per batch, before any importance weight
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        rho = log_ratio(logp_now, mu).exp()
+        log_rho = log_ratio(logp_now, mu)
+        rho = log_rho.exp()
         flat.set(keys.ADVANTAGE, self.weight(adv, rho, rho_bar))
         if refresh:
             return out, False
         if self.decoupled:                       # clip the ratio against the policy at the start of this update
             flat.set(keys.LOG_PROB, logp_now)
         out.update(self.select(flat, rho))
-        out.update({"rho_mean": float(rho.mean()), "rho_max": float(rho.max()),
-                    "rho_clipped_frac": float((rho > rho_bar).float().mean())})
+        out.update(importance_diagnostics(log_rho, rho_bar))
         return out, False
 
     def _recomputed_next(self, flat, value, value_now, out: dict[str, float]) -> torch.Tensor:

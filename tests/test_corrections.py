@@ -423,3 +423,17 @@ def test_advantages_every_epoch_with_one_epoch_is_the_same_update(tmp_path):
         weights.append(_weights_after_stale_updates(cfg, learner, 3))
     for k in weights[0]:
         assert torch.equal(weights[0][k], weights[1][k]), k
+
+
+def test_importance_diagnostics_by_hand():
+    """ESS, mean |log rho|, KL(mu || pi_k) by k3 and the clipped share on four fixed weights."""
+    import math
+    from learner.corrections import importance_diagnostics
+    rho = [0.5, 1.0, 2.0, 4.0]
+    d = importance_diagnostics(torch.tensor([math.log(r) for r in rho]), rho_bar=1.5)
+    assert d["ess"] == pytest.approx(sum(rho) ** 2 / (4 * sum(r * r for r in rho)))       # 56.25 / 85 = 0.662
+    assert d["log_ratio_abs"] == pytest.approx(sum(abs(math.log(r)) for r in rho) / 4, rel=1e-6)
+    assert d["kl_behaviour"] == pytest.approx(sum(r - 1 - math.log(r) for r in rho) / 4, rel=1e-6)
+    assert d["rho_clipped_frac"] == 0.5 and d["rho_max"] == pytest.approx(4.0) and d["rho_mean"] == pytest.approx(1.875)
+    fresh = importance_diagnostics(torch.zeros(8), rho_bar=1.0)
+    assert fresh["ess"] == pytest.approx(1.0) and fresh["kl_behaviour"] == 0.0 and fresh["log_ratio_abs"] == 0.0

@@ -19,7 +19,7 @@ SPEC.loader.exec_module(staleness)
 pytestmark = pytest.mark.timeout(60)
 
 FIGURES = ["lag_histogram.png", "lag_over_time.png", "return_vs_steps.png", "return_vs_time.png",
-           "actor_throughput.png", "sync_delay.png", "dropped_episode_bias.png", "return_vs_lag.png"]
+           "actor_throughput.png", "sync_delay.png", "offpolicy_health.png", "dropped_episode_bias.png", "return_vs_lag.png"]
 T0 = 1_800_000_000.0
 STEPS = 64  # env steps per rollout
 DROP_REASONS = ["lag", "stale", "overwritten", "shutdown", "lag"]
