@@ -625,6 +625,7 @@ def _sigterm_and_wait(run, run_dir) -> float:
     return stop_s
 
 
+@pytest.mark.slow
 def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_server(tmp_path):
     """actors.inference "server" with the Reach token-VLA smoke config through the launcher: two
     actors act through one server; the server is killed (SIGKILL) after the second update, the
