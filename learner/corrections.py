@@ -64,13 +64,6 @@ after a truncation or the rollout's last step the value of ``bootstrap_observati
 vla-mode actors send (``actors/rollout.py``). ``trainer.max_policy_lag`` drops data older than that
 many versions before any of this.
 
-``trust``
-    ``vtrace`` with a trust region that knows the data's age: with a mean lag L > 1 the update clips
-    at ``clip_coef / L`` (around pi_k/mu, as vtrace does) and stops at the end of the epoch whose
-    approximate KL to pi_k passes ``trust_kl / L``. The versions between mu and the next policy then
-    move about as far together as one update on fresh data. At L <= 1 it is vtrace with
-    ``target_kl = trust_kl``. Use for large lags.
-
 How each correction fares across lags, on Pendulum and HalfCheetah, is measured in docs/staleness.md.
 """
 
@@ -285,22 +278,6 @@ class APPO(VTrace):
         return self.cfg.appo_rho_weight
 
 
-class TrustRegion(VTrace):
-    """``trust``: ``vtrace`` whose clip and per-update move shrink with the batch's mean lag
-    (:meth:`update_config`): a batch acted L versions ago is trained with ``clip_coef / L`` and stops
-    once its KL to pi_k passes ``trust_kl / L``, so the L versions between mu and the next policy
-    move about as far together as one update on fresh data (GePPO's age-scaled clip, Queeney et al.
-    2021; the per-version budget of AReaL's and M2PO's stale training)."""
-    name = "trust"
-
-    @staticmethod
-    def update_config(cfg: PPOConfig, mean_lag: float) -> PPOConfig:
-        """The PPO settings of one update whose samples are `mean_lag` versions old on average."""
-        from dataclasses import replace
-        scale = max(1.0, mean_lag)
-        return replace(cfg, clip_coef=cfg.clip_coef / scale, target_kl=cfg.trust_kl / scale)
-
-
 class EWMA(Correction):
     """``ewma``: normalised once per batch; the weight against the moving average is PPO's, per
     minibatch (``learner/proximal.py``)."""
@@ -322,7 +299,7 @@ class Mask(ImportanceSampling):
 
 
 CORRECTIONS: dict[str, type[Correction]] = {c.name: c for c in (Correction, ImportanceSampling, VTrace, APPO,
-                                                                 EWMA, Mask, TrustRegion)}
+                                                                 EWMA, Mask)}
 
 
 def make_correction(cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None]) -> Correction:
