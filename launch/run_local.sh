@@ -80,7 +80,7 @@ mkdir -p "$OUT/logs"
 rm -f "$OUT/endpoints.json"   # a stale file from a crashed run would point actors at nothing
 
 # ---------------------------------------------------------------- processes
-declare -A ACTOR_PID=() RESTARTS=() SERVER_PID=() SERVER_RESTARTS=()
+declare -A ACTOR_PID=() SERVER_PID=() RESTARTS=()   # RESTARTS by "actor I" / "inference server S"
 LEARNER_PID=""
 STOPPING=0
 TEE_PIDS=()
@@ -115,6 +115,22 @@ start_server() {  # actors.inference "server": one inference server per device (
     >&"$LOG_FD" 2>&1 {LOG_FD}>&- &
   SERVER_PID[$s]=$!
   exec {LOG_FD}>&-
+}
+
+# A supervised process (actor or inference server) WHAT exited with CODE != 0: restart it with START...
+# after a back-off (1, 2, 4 ... 30 s), unless it has failed more than MAX_RESTARTS times (returns 1).
+restart_after_failure() {
+  local what=$1 code=$2 n delay; shift 2
+  n=$(( ${RESTARTS[$what]:-0} + 1 )); RESTARTS[$what]=$n
+  if [[ $n -gt $MAX_RESTARTS ]]; then
+    echo "[launch] $what failed $n times (last exit code $code): stopping the run"
+    return 1
+  fi
+  delay=$(( n > 6 ? 30 : 1 << (n - 1) )); (( delay > 30 )) && delay=30
+  echo "[launch] $what exited with code $code: restart $n/$MAX_RESTARTS in ${delay}s"
+  sleep "$delay" & wait $!          # in the background, so INT/TERM traps run at once
+  kill -0 "$LEARNER_PID" 2>/dev/null && "$@"
+  return 0
 }
 
 is_my_child() {  # /proc/PID/stat is "PID (COMM) STATE PPID ..."
@@ -193,31 +209,15 @@ while true; do
   for s in "${!SERVER_PID[@]}"; do   # a server that failed is restarted; its actors wait for it meanwhile
     [[ "${SERVER_PID[$s]}" == "$finished" ]] || continue
     unset "SERVER_PID[$s]"
-    if [[ $code -ne 0 ]]; then
-      n=$(( ${SERVER_RESTARTS[$s]:-0} + 1 )); SERVER_RESTARTS[$s]=$n
-      if [[ $n -gt $MAX_RESTARTS ]]; then
-        echo "[launch] inference server $s failed $n times (last exit code $code): stopping the run"
-        status=1; stop_all; break 2
-      fi
-      delay=$(( n > 6 ? 30 : 1 << (n - 1) )); (( delay > 30 )) && delay=30
-      echo "[launch] inference server $s exited with code $code: restart $n/$MAX_RESTARTS in ${delay}s"
-      sleep "$delay" & wait $!
-      kill -0 "$LEARNER_PID" 2>/dev/null && start_server "$s"
+    if [[ $code -ne 0 ]] && ! restart_after_failure "inference server $s" "$code" start_server "$s"; then
+      status=1; stop_all; break 2
     fi
   done
   for i in "${!ACTOR_PID[@]}"; do
     [[ "${ACTOR_PID[$i]}" == "$finished" ]] || continue
     unset "ACTOR_PID[$i]"
-    if [[ $code -ne 0 ]]; then
-      n=$(( ${RESTARTS[$i]:-0} + 1 )); RESTARTS[$i]=$n
-      if [[ $n -gt $MAX_RESTARTS ]]; then
-        echo "[launch] actor $i failed $n times (last exit code $code): stopping the run"
-        status=1; stop_all; break 2
-      fi
-      delay=$(( n > 6 ? 30 : 1 << (n - 1) )); (( delay > 30 )) && delay=30
-      echo "[launch] actor $i exited with code $code: restart $n/$MAX_RESTARTS in ${delay}s"
-      sleep "$delay" & wait $!          # in the background, so INT/TERM traps run at once
-      kill -0 "$LEARNER_PID" 2>/dev/null && start_actor "$i"
+    if [[ $code -ne 0 ]] && ! restart_after_failure "actor $i" "$code" start_actor "$i"; then
+      status=1; stop_all; break 2
     fi
   done
 done
