@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -122,7 +123,7 @@ class RequestChecker:
         one = rollout_template(spec, 1, 1, with_value=False)[keys.OBS][:, 0]
         self.expected = ({k: (v.shape[1:], v.dtype) for k, v in one.items(include_nested=True, leaves_only=True)}
                          if isinstance(one, TensorDictBase) else {(): (one.shape[1:], one.dtype)})
-        self.max_bytes = sum(math_prod(s) * d.itemsize for s, d in self.expected.values()) * num_envs + (1 << 20)
+        self.max_bytes = sum(math.prod(s) * d.itemsize for s, d in self.expected.values()) * num_envs + (1 << 20)
 
     def check(self, route: bytes, frames: list) -> Request:
         """The request in `frames`; raises :class:`wire.WireError` naming what is wrong."""
@@ -154,13 +155,6 @@ class RequestChecker:
             if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
                 raise wire.WireError("observation holds NaN or inf")
         return Request(route, actor, rid, kind, obs, n, min_version)   # decode copied it out of the frame
-
-
-def math_prod(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
 
 
 def _describe(entries: dict) -> str:
