@@ -84,6 +84,26 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def stop_process_groups(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM the process group each of `procs` leads (started with ``start_new_session``), wait up
+    to `grace_s` in all, then SIGKILL every group, reaping its leader (and what outlived it)."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:                    # also group members that outlived their leader
+        _signal_group(p.pid, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while group_members(pgid):

@@ -49,7 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl, tail  # noqa: E402
+from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl,  # noqa: E402
+                     stop_process_groups, tail)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 TARGET = 0.9                           # transport-only / env+inference should be at least this
@@ -89,30 +90,8 @@ def _start(cmd: list[str], log_path: Path, stdin=subprocess.DEVNULL, stdout=None
                                 stderr=subprocess.STDOUT if stdout is None else log, start_new_session=True)
 
 
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)          # session leader: its pid is the group id
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _stop_processes(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every process group, wait up to STOP_TIMEOUT_S in all, SIGKILL the rest."""
-    for p in procs:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:                    # also reaps group members that outlived their leader
-        _signal_group(p, signal.SIGKILL)
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+    stop_process_groups(procs, STOP_TIMEOUT_S)
 
 
 # ================================================================== phases 1-2: worker processes

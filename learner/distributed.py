@@ -3,7 +3,8 @@
 ``learner.devices: ["cuda:0", "cuda:1"]`` (or ``["cpu", "cpu"]``: gloo, for tests) makes
 ``launch/run_local.sh`` start the learner as ``torchrun --standalone --nproc_per_node W -m learner``;
 each process finds its rank in the environment torchrun sets and joins the process group here
-(NCCL on GPUs, gloo on CPU).
+(NCCL on GPUs, gloo on CPU). ``launch/run_ray.py`` sets the same variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) itself, with ranks on several nodes.
 
 How data is split -- actors are assigned to ranks, not scattered by rank 0: every rank binds its
 own rollouts socket and actor ``i`` sends to rank ``i % W``. Scattering from rank 0 would pass every
@@ -51,6 +52,19 @@ class Ranks:
         out = [torch.zeros_like(t) for _ in range(self.world)]
         dist.all_gather(out, t)
         return [o.tolist() for o in out]
+
+    def all_gather_text(self, text: str, max_bytes: int = 1024) -> list[str]:
+        """Every rank's `text` (UTF-8, at most `max_bytes`), in rank order: raw bytes through gloo,
+        never a pickled object (``all_gather_object`` would unpickle what a peer sent)."""
+        data = text.encode()
+        if len(data) > max_bytes:
+            raise ValueError(f"all_gather_text: {len(data)} bytes, more than {max_bytes}")
+        row = torch.zeros(max_bytes + 1, dtype=torch.int64)
+        row[0] = len(data)
+        row[1:1 + len(data)] = torch.tensor(list(data), dtype=torch.int64)
+        out = [torch.zeros_like(row) for _ in range(self.world)]
+        dist.all_gather(out, row)
+        return [bytes(o[1:1 + int(o[0])].tolist()).decode() for o in out]
 
 
 def ranks_from_env(devices: list[str]) -> Ranks | None:

@@ -112,8 +112,8 @@ class LearnerRun:
         elif cfg.learner.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("learner.host is %s and CURVE is off: anyone who can reach these ports can send "
                         "rollouts and read the weights (see docs/guides/two_hosts.md)", cfg.learner.host)
-        self.publisher = (WeightsPublisher(self.ctx, cfg.learner.host, cfg.learner.weights_port, curve=self.curve)
-                          if self.main else NullPublisher())
+        self.publisher = (WeightsPublisher(self.ctx, cfg.learner.host, cfg.learner.weights_port, curve=self.curve,
+                                           advertise=cfg.learner.advertise_host) if self.main else NullPublisher())
         self.logger = (RunLogger(self.run_dir, use_wandb=cfg.trainer.use_wandb, config=cfg.to_dict()) if self.main
                        else RunLogger(self.run_dir, use_tensorboard=False, suffix=f".rank{self.ranks.rank}"))
         self.learner = Learner(cfg, self.run_dir, self.publisher, resume=resume, logger=self.logger,
@@ -156,7 +156,8 @@ class LearnerRun:
         hwm = min(cfg.learner.recv_hwm, max(2, RECV_MEMORY_BYTES // intake.max_message_bytes))
         pull.setsockopt(zmq.RCVHWM, hwm)
         port = cfg.learner.rollout_port + (self.ranks.rank if self.ranks and cfg.learner.rollout_port else 0)
-        self.endpoints = {"rollouts": bind(pull, cfg.learner.host, port), "weights": self.publisher.endpoint}
+        self.endpoints = {"rollouts": bind(pull, cfg.learner.host, port, cfg.learner.advertise_host),
+                          "weights": self.publisher.endpoint}
         self.socks = {"rollouts": pull}
         self.eval_token = None
         if self.evaluator and not self.discard and self.main:
@@ -173,8 +174,8 @@ class LearnerRun:
     def _write_endpoints(self) -> None:
         extra: dict[str, Any] = {}
         if self.ranks is not None:   # every rank's rollouts address, in rank order, for the actors
-            ports = [p[0] for p in self.ranks.all_gather_ints([int(self.endpoints["rollouts"].rsplit(":", 1)[1])])]
-            extra["rollouts_by_rank"] = [f"tcp://{self.cfg.learner.host}:{p}" for p in ports]
+            # each rank's own: ranks on several nodes (launch/run_ray.py) advertise several hosts
+            extra["rollouts_by_rank"] = self.ranks.all_gather_text(self.endpoints["rollouts"])
         if self.learner.shm_writer is not None:   # so that the launcher can remove it if this process is killed
             extra["shm"] = str(self.learner.shm_writer.path)
         if self.ring is not None:      # where actors find their ring (and the launcher what to remove)

@@ -249,6 +249,10 @@ class LearnerConfig:
     """Where the learner's policy and update run: ``cpu`` or ``cuda:N``."""
     host: str = "127.0.0.1"
     """Address the learner binds; 127.0.0.1 keeps a single-host run off the network."""
+    advertise_host: str = ""
+    """Address actors are told to connect to (endpoints.json, every rank's rollouts address). Empty:
+    `host`. Set it where the bind address is not one peers can dial: `host` "0.0.0.0" (every
+    interface), a container behind NAT. launch/run_ray.py sets it for each rank to its node's address."""
     rollout_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """TCP port for rollouts (0: pick a free one; endpoints.json tells actors)."""
     weights_port: Annotated[int, Range(ge=0, le=65535)] = 0
@@ -576,6 +580,29 @@ ALGORITHM_CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 
 
 @dataclass
+class RayLaunchConfig:
+    """``launch/run_ray.py``: one placement group holds a bundle per learner rank and per actor;
+    each bundle's Ray actor owns one Tandem process (docs/guides/multi_node.md)."""
+    learner_resources: list[dict] = field(default_factory=lambda: [{"CPU": 1}])
+    """Ray resources of each learner rank's bundle: one entry for every rank, or one per rank (rank r
+    takes entry r). GPUs may be fractional ({"CPU": 1, "GPU": 0.5}); a custom resource pins a role
+    to the nodes started with it (``ray start --resources '{"node_a": 1}'``, then {"node_a": 0.01})."""
+    actor_resources: list[dict] = field(default_factory=lambda: [{"CPU": 1}])
+    """Ray resources of each actor's bundle: actor i takes entry i % len (same forms as above)."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement group strategy: PACK fills few nodes, SPREAD spreads over many (best effort);
+    STRICT_* fail rather than bend."""
+    ready_timeout_s: Annotated[float, Range(gt=0)] = 300.0
+    """Seconds to wait for the cluster to have room for every bundle before the launcher gives up."""
+
+
+@dataclass
+class LaunchConfig:
+    """How a launcher places the processes; only launch/run_ray.py reads it (``launch.ray``)."""
+    ray: RayLaunchConfig = field(default_factory=RayLaunchConfig)
+
+
+@dataclass
 class AlgorithmConfig:
     name: Literal["ppo", "grpo"] = "ppo"
     """The algorithm; it chooses the schema of ``cfg``."""
@@ -591,6 +618,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     source: str = field(default="<dict>", compare=False)
     """Where this config came from (for error messages); not a config key."""
 
@@ -744,12 +772,15 @@ def _check(cfg: Config) -> list[str]:
         why = [w for w, bad in (
             (f"learner.host is {le.host!r} (actors may connect from other hosts; use 127.0.0.1)",
              le.host not in ("127.0.0.1", "localhost", "::1")),
+            (f"learner.advertise_host is {le.advertise_host!r} (actors on other hosts)",
+             le.advertise_host not in ("", "127.0.0.1", "localhost", "::1")),
             ("CURVE is on (learner.curve_secret_key / actors.curve_secret_key: actors on other hosts)",
              bool(le.curve_secret_key or a.curve_secret_key)),
             (f"learner.devices has {len(le.devices)} ranks (one ring owner only)", len(le.devices) > 1)) if bad]
         if why:
             errors.append("actors.rollout_transport: \"ring\" needs every actor on the learner's host and one "
                           "learner rank, but " + "; and ".join(why) + "; use \"zmq\"")
+    errors += _check_ray_resources(cfg.launch.ray, len(le.devices) or 1)
     if bool(le.curve_secret_key) != bool(le.curve_authorized_keys):
         errors.append("learner.curve_secret_key / learner.curve_authorized_keys: set both (CURVE on) or neither")
     if bool(a.curve_secret_key) != bool(a.curve_server_key):
@@ -848,6 +879,24 @@ def _check(cfg: Config) -> list[str]:
             import wandb  # noqa: F401
         except ImportError:
             errors.append("trainer.use_wandb: true needs the wandb package (pip install wandb)")
+    return errors
+
+
+def _check_ray_resources(r: RayLaunchConfig, world: int) -> list[str]:
+    """launch.ray: resource maps of names to non-negative numbers, one learner entry or one per rank."""
+    errors = []
+    for key in ("learner_resources", "actor_resources"):
+        entries = getattr(r, key)
+        if not entries:
+            errors.append(f"launch.ray.{key}: give at least one resource map, e.g. [{{\"CPU\": 1}}]")
+        for i, res in enumerate(entries):
+            bad = [k for k, v in res.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+                   or not math.isfinite(v) or v < 0]
+            if bad:
+                errors.append(f"launch.ray.{key}[{i}]: {bad} must be non-negative numbers (Ray resource amounts)")
+    if len(r.learner_resources) not in (1, world):
+        errors.append(f"launch.ray.learner_resources: {len(r.learner_resources)} entries for {world} learner "
+                      f"rank(s) (learner.devices); give one for every rank or one per rank")
     return errors
 
 

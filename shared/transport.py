@@ -32,13 +32,15 @@ def _socket(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
     return s
 
 
-def bind(sock: zmq.Socket, host: str, port: int) -> str:
-    """Bind ``tcp://host:port`` (port 0: a free one) and return the address actors should use."""
+def bind(sock: zmq.Socket, host: str, port: int, advertise: str = "") -> str:
+    """Bind ``tcp://host:port`` (port 0: a free one) and return the address actors should use:
+    ``tcp://advertise:port``, or ``tcp://host:port`` when `advertise` is empty (``learner.advertise_host``:
+    a bind address such as 0.0.0.0 is not one a peer can dial)."""
     if port:
         sock.bind(f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
+    return f"tcp://{advertise or host}:{port}"
 
 
 def write_endpoints(run_dir: Path, rollouts: str, weights: str, **extra: Any) -> Path:
@@ -71,11 +73,11 @@ def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
 class WeightsPublisher:
     """XPUB socket: publishes weights, re-sends the latest to every new subscriber."""
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int = 0, curve: Any = None):
+    def __init__(self, ctx: zmq.Context, host: str, port: int = 0, curve: Any = None, advertise: str = ""):
         self.sock = _socket(ctx, zmq.XPUB, SNDHWM=8, XPUB_VERBOSE=1)
         if curve is not None:      # a shared.security.CurveServer
             curve.apply(self.sock)
-        self.endpoint = bind(self.sock, host, port)
+        self.endpoint = bind(self.sock, host, port, advertise)
         self._last: list | None = None
         self.subscribers_seen = 0
 

@@ -1,0 +1,358 @@
+"""Start one Tandem run on a Ray cluster: W learner ranks and N actors, placed by one placement group.
+
+    python launch/run_ray.py --config FILE [--address auto|HOST:PORT] [--actors N] [--steps S] [--out DIR]
+                             [--resume] [--no-eval] [--set KEY=VALUE ...]
+
+Without --address it starts a local Ray instance (one node). Each learner rank and each actor is a
+bundle of the placement group (``launch.ray`` in the config: resources per role, strategy) and a thin
+Ray actor (runners/ray_hosts.py) that owns one ``python -m learner`` / ``python -m actors`` process.
+The launcher sets the learner ranks' torch.distributed environment itself (no torchrun); actors get
+the learner's endpoints from the run's named Ray actor, and rank 0 still writes OUT/endpoints.json.
+A failed actor is restarted by Ray (at most TANDEM_MAX_RESTARTS times, default 3, with back-off); if
+a learner rank dies, or an actor fails once more than that, the run stops and exits non-zero.
+SIGINT or SIGTERM: every process is sent SIGTERM and given time to stop (the learner writes its final
+checkpoint), then what is left is killed; the exit code is 130 or 143. Ray's object store carries
+control messages only (config text, endpoints, exit codes, logs): rollouts and weights go over
+ZeroMQ, with CURVE where configured. See docs/guides/multi_node.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# Ray folds lines that look alike from different processes into one ("[repeated 2x across cluster]");
+# an operator must see every actor's lines. Read when ray is imported.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+from shared.config import Config, ConfigError, load_config  # noqa: E402
+
+NAMESPACE = "tandem"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ANY_ADDRESS = ("0.0.0.0", "::", "*")
+LEARNER_STOP_S = 30.0     # a learner's final checkpoint and summary, after SIGTERM
+ACTOR_STOP_S = 10.0
+POLL_S = 0.5
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch/run_ray.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "cartpole_ppo.json"), help="JSON config file")
+    p.add_argument("--address", help="Ray cluster to join ('auto': the one this node belongs to); "
+                   "default: start a local Ray instance")
+    p.add_argument("--actors", type=int, help="actors.num_actors")
+    p.add_argument("--steps", type=int, help="trainer.total_steps")
+    p.add_argument("--out", type=Path, help="run directory (default <output_dir>/<exp_name>/<date-time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    p.add_argument("--no-eval", action="store_true", help="no evaluator process")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = p.parse_args(argv)
+    for name in ("actors", "steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be a positive integer")
+    if args.resume and args.out is None:
+        p.error("--resume needs --out (the run to continue)")
+    return args
+
+
+class Stop:
+    """SIGINT/SIGTERM set a flag the supervision loop checks (never raise inside a Ray call)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 130 if self.signal == "SIGINT" else 143
+
+
+def _ray_options(resources: dict, pg, index: int) -> dict:
+    """A host's resource request: exactly its bundle, so Ray sets CUDA_VISIBLE_DEVICES for its GPUs."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    rest = {k: float(v) for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
+    opts = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0), "resources": rest,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+    if "memory" in resources:
+        opts["memory"] = resources["memory"]
+    return opts
+
+
+def rank_overrides(cfg: Config, ip: str, across_nodes: bool, resources: dict) -> list[str]:
+    """What a learner rank changes in the config on its node: bind and advertise its node's address
+    when actors or ranks sit on other nodes, and the one GPU Ray shows it (cuda:0)."""
+    le, sets = cfg.learner, []
+    if across_nodes and le.host in LOOPBACK:
+        sets.append(f"learner.host={ip}")
+    elif across_nodes and le.host in ANY_ADDRESS and not le.advertise_host:
+        sets.append(f"learner.advertise_host={ip}")
+    if resources.get("GPU", 0) > 0:   # Ray's CUDA_VISIBLE_DEVICES leaves each rank its own GPU as cuda:0
+        world = max(1, len(le.devices))
+        sets.append("learner.device=cuda:0")
+        if le.devices:
+            sets.append("learner.devices=" + json.dumps(["cuda:0"] * world))
+    return sets
+
+
+def check_placement(cfg: Config, rank_nodes: list[str], actor_nodes: list[str]) -> list[str]:
+    """Same-host transports refused where the placement put an actor on another node than rank 0."""
+    remote = [i for i, n in enumerate(actor_nodes) if n != rank_nodes[0]]
+    errors = []
+    if remote and cfg.learner.weights_transport == "shm":
+        errors.append(f"learner.weights_transport \"shm\": the weights ring is in the memory of rank 0's node, "
+                      f"but actors {remote} were placed on other nodes; use \"zmq\" (or pin the actors to rank "
+                      f"0's node with a node resource in launch.ray.actor_resources)")
+    if remote and cfg.actors.rollout_transport == "ring":
+        errors.append(f"actors.rollout_transport \"ring\": actors {remote} were placed on other nodes than the "
+                      f"learner's; use \"zmq\"")
+    return errors
+
+
+class RayRun:
+    """The driver's side: placement group, hosts, supervision, shutdown."""
+
+    def __init__(self, args: argparse.Namespace, cfg: Config, overrides: list[str], out: Path, stop: Stop):
+        import ray
+        from runners.ray_hosts import ProcessHost, RunRegistry
+        self.ray, self.ProcessHost = ray, ProcessHost
+        self.args, self.cfg, self.overrides, self.out, self.stop = args, cfg, overrides, out, stop
+        self.world = max(1, len(cfg.learner.devices))
+        self.tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        self.registry_name = f"tandem:{self.tag}"
+        self.marker = f".run_ray-{self.tag}"
+        self.ranks: list = []
+        self.actors: list = []
+        self.pg = None
+        self.registry = RunRegistry.options(name=self.registry_name, namespace=NAMESPACE).remote()
+        self.max_restarts = int(os.environ.get("TANDEM_MAX_RESTARTS", "3"))
+
+    def say(self, msg: str) -> None:
+        print(f"[launch] {msg}", flush=True)
+
+    # ------------------------------------------------------------------ placement
+    def place(self) -> list[str] | None:
+        """Reserve every bundle; returns the node id of each (ranks first), or None if stopped first."""
+        from ray.util.placement_group import placement_group, placement_group_table
+        r = self.cfg.launch.ray
+        bundles = [r.learner_resources[i % len(r.learner_resources)] for i in range(self.world)]
+        bundles += [r.actor_resources[i % len(r.actor_resources)] for i in range(self.cfg.actors.num_actors)]
+        self.bundles = [{k: float(v) for k, v in b.items()} for b in bundles]
+        self.pg = placement_group(self.bundles, strategy=r.strategy, name=f"tandem-{self.tag}")
+        start = time.monotonic()
+        deadline, told = start + r.ready_timeout_s, False
+        while not self.ray.wait([self.pg.ready()], timeout=1.0)[0]:
+            if self.stop.signal:
+                return None
+            if not told and time.monotonic() > start + 10:
+                self.say(f"waiting for the cluster to have room for {self.bundles} ({r.strategy}; "
+                         f"`ray status` shows what the nodes offer)")
+                told = True
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray cluster had no room for the placement group after "
+                                   f"{r.ready_timeout_s:.0f} s (bundles {self.bundles}, strategy {r.strategy}; "
+                                   f"`ray status` shows what the nodes offer)")
+        table = placement_group_table(self.pg)["bundles_to_node_id"]
+        return [table[i] for i in range(len(self.bundles))]
+
+    def _spec(self, name: str, argv: list[str], **extra) -> dict:
+        return {"name": name, "argv": argv, "config_text": Path(self.args.config).read_text(),
+                "config_name": Path(self.args.config).name, "run_dir": str(self.out), "registry": self.registry_name,
+                "namespace": NAMESPACE, **extra}
+
+    # ------------------------------------------------------------------ start
+    def start_learner(self, nodes: list[str]) -> dict | None:
+        """Start every rank with its rank environment (no torchrun); returns rank 0's endpoints (None
+        if stopped first)."""
+        ray, cfg = self.ray, self.cfg
+        across = len(set(nodes)) > 1
+        flags = (["--resume"] if self.args.resume else []) + (["--no-eval"] if self.args.no_eval else [])
+        for r in range(self.world):
+            spec = self._spec(f"learner{r if self.world > 1 else ''}",
+                              ["-m", "learner", "--config", "{config}", "--run-dir", str(self.out), *flags,
+                               *_set_args(self.overrides)], writes_endpoints=r == 0)
+            self.ranks.append(self.ProcessHost.options(**_ray_options(self.bundles[r], self.pg, r)).remote(spec))
+        info = ray.get([h.node.remote() for h in self.ranks])
+        common = {}
+        if self.world > 1:
+            port = ray.get(self.ranks[0].free_port.remote())
+            common = {"WORLD_SIZE": str(self.world), "MASTER_ADDR": info[0]["ip"], "MASTER_PORT": str(port)}
+        started = []
+        for r, host in enumerate(self.ranks):
+            env = dict(common)
+            if self.world > 1:
+                local = [q for q in range(self.world) if nodes[q] == nodes[r]]
+                env.update(RANK=str(r), LOCAL_RANK=str(local.index(r)), LOCAL_WORLD_SIZE=str(len(local)))
+                if info[r]["interface"] and "GLOO_SOCKET_IFNAME" not in os.environ:
+                    env["GLOO_SOCKET_IFNAME"] = info[r]["interface"]   # else gloo takes the hostname's address
+            extra = _set_args(rank_overrides(cfg, info[r]["ip"], across, self.bundles[r]))
+            started.append(host.start.remote(env, extra))
+        ray.get(started)
+        self.say(f"run dir {self.out} | config {self.args.config} | {cfg.actors.num_actors} actors on "
+                 f"{len(set(nodes[self.world:]))} node(s) | {self.world} learner rank(s) on "
+                 f"{', '.join(i['ip'] for i in info)} | Ray {ray.__version__}")
+        while not self.stop.signal:
+            eps = ray.get(self.ranks[0].endpoints.remote(1.0))
+            if eps is not None:
+                return eps
+            codes = ray.get([h.poll.remote() for h in self.ranks])
+            if any(c is not None for c in codes):
+                raise RuntimeError(f"a learner rank exited (codes {codes}) before writing its endpoints "
+                                   f"(see {self.out}/logs/)")
+        return None
+
+    def start_actors(self, endpoints: dict) -> None:
+        ray, cfg = self.ray, self.cfg
+        ray.get(self.registry.set_endpoints.remote(endpoints))
+        sets = _set_args(self.overrides)
+        for i in range(cfg.actors.num_actors):
+            b = self.world + i
+            device = ["--device", "cuda:0"] if self.bundles[b].get("GPU", 0) > 0 else []
+            spec = self._spec(f"actor_{i}", ["-m", "actors", "--config", "{config}", "--actor-id", str(i),
+                                             "--endpoints", "{endpoints}", *device, *sets],
+                              supervised=True, max_restarts=self.max_restarts)
+            opts = _ray_options(self.bundles[b], self.pg, b)
+            self.actors.append(self.ProcessHost.options(max_restarts=self.max_restarts, **opts).remote(spec, True))
+
+    # ------------------------------------------------------------------ supervise and stop
+    def supervise(self) -> int:
+        ray, stop = self.ray, self.stop
+        while True:
+            if stop.signal:
+                self.say(f"{stop.signal}: stopping the learner and {len(self.actors)} actors")
+                return stop.exit_code
+            try:
+                codes = ray.get([h.poll.remote() for h in self.ranks], timeout=60)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                self.say(f"lost a learner rank ({type(e).__name__}): stopping the run")
+                return 1
+            if any(c is not None for c in codes):
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed:
+                    self.say(f"a learner rank exited with code {failed[0]}: stopping the run")
+                    return failed[0] if failed[0] > 0 else 128 - failed[0]   # killed by signal N: 128 + N
+                if all(c == 0 for c in codes):
+                    return 0
+            gave_up = ray.get(self.registry.failures.remote())
+            if gave_up:
+                return 1
+            time.sleep(POLL_S)
+
+    def shutdown(self) -> None:
+        """TERM every child through its host and give it time, then kill the hosts and free the bundles."""
+        ray = self.ray
+        calls = [h.stop.remote(LEARNER_STOP_S) for h in self.ranks] + [h.stop.remote(ACTOR_STOP_S) for h in self.actors]
+        for c in calls:
+            try:
+                ray.get(c, timeout=LEARNER_STOP_S + 10)
+            except Exception:  # noqa: BLE001 - a host that died or is restarting: killed below
+                pass
+        self.collect_logs()
+        for h in [*self.ranks, *self.actors]:
+            try:
+                h.cleanup.remote()
+            except Exception:  # noqa: BLE001
+                pass
+        time.sleep(0.2)
+        for h in [*self.ranks, *self.actors, self.registry]:
+            ray.kill(h, no_restart=True)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self.pg)
+
+    def collect_logs(self) -> None:
+        """Where a node does not share the run directory, bring its logs here (checkpoints stay on rank 0's node)."""
+        (self.out / self.marker).touch()
+        try:
+            for h in [*self.ranks, *self.actors]:
+                try:
+                    files = self.ray.get(h.collect.remote(self.marker), timeout=30)
+                except Exception:  # noqa: BLE001
+                    continue
+                for rel, data in files:
+                    dst = self.out / rel
+                    if not dst.exists():
+                        dst.parent.mkdir(parents=True, exist_ok=True)
+                        dst.write_bytes(data)
+        finally:
+            (self.out / self.marker).unlink(missing_ok=True)
+
+
+def _set_args(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.set)
+    overrides += [f"actors.num_actors={args.actors}"] if args.actors else []
+    overrides += [f"trainer.total_steps={args.steps}"] if args.steps else []
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if cfg.actors.inference == "server":
+        print("run_ray.py: actors.inference \"server\" is not placed by Ray yet; use launch/run_local.sh",
+              file=sys.stderr)
+        return 2
+    try:
+        import ray
+    except ImportError:
+        print("run_ray.py needs Ray: pip install -e '.[ray]'", file=sys.stderr)
+        return 2
+    from learner.__main__ import default_run_dir
+    out = (args.out or default_run_dir(cfg)).resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if args.address is None:   # a local instance: its CPUs are scheduling tokens, as many as the bundles ask
+        r = cfg.launch.ray
+        cpus = sum(r.learner_resources[i % len(r.learner_resources)].get("CPU", 0)
+                   for i in range(max(1, len(cfg.learner.devices))))
+        cpus += sum(r.actor_resources[i % len(r.actor_resources)].get("CPU", 0) for i in range(cfg.actors.num_actors))
+        ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
+                 num_cpus=max(os.cpu_count() or 1, int(-(-cpus // 1))))
+    else:
+        ray.init(address=args.address, namespace=NAMESPACE, logging_level="WARNING")
+    stop = Stop()     # after ray.init, which installs its own SIGTERM handler
+    run = RayRun(args, cfg, overrides, out, stop)
+    status = 1
+    try:
+        nodes = run.place()
+        if nodes is None:
+            status = stop.exit_code
+        elif errors := check_placement(cfg, nodes[:run.world], nodes[run.world:]):
+            print("run_ray.py: " + "\n  ".join(errors), file=sys.stderr)
+            status = 2
+        elif (endpoints := run.start_learner(nodes)) is None:
+            status = stop.exit_code
+        else:
+            run.start_actors(endpoints)
+            status = run.supervise()
+    except Exception as e:  # noqa: BLE001 - reported, then everything started is stopped
+        print(f"[launch] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):   # a second signal must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
+        run.shutdown()
+        ray.shutdown()
+    summary = out / "summary.json"
+    if summary.exists():
+        print(f"[launch] summary: {json.dumps(json.loads(summary.read_text()), separators=(',', ':'))}")
+    print(f"[launch] done (exit {status}): {out}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""launch/run_ray.py's pure parts, without a Ray cluster: the ``launch.ray`` block, what each learner
+rank changes on its node (bind and advertise addresses, its GPU), same-host transports refused across
+nodes, each rank's own address gathered without pickle, and the restart back-off."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import zmq
+
+from shared.config import ConfigError, config_from_dict
+from shared.transport import bind
+
+ROOT = Path(__file__).resolve().parents[1]
+CARTPOLE = json.loads((ROOT / "configs" / "cartpole_ppo.json").read_text())
+
+
+def _run_ray():
+    spec = importlib.util.spec_from_file_location("run_ray", ROOT / "launch" / "run_ray.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(*overrides: str):
+    return config_from_dict(CARTPOLE, "cartpole_ppo.json", list(overrides))
+
+
+def test_launch_ray_defaults_and_per_rank_resources():
+    cfg = _cfg('learner.devices=["cpu","cpu"]',
+               'launch.ray.learner_resources=[{"CPU":1,"node_a":0.01},{"CPU":1,"GPU":0.5,"node_b":0.01}]')
+    assert cfg.launch.ray.learner_resources[1]["GPU"] == 0.5
+    assert _cfg().launch.ray.actor_resources == [{"CPU": 1}] and _cfg().launch.ray.strategy == "PACK"
+
+
+@pytest.mark.parametrize("override, match", [
+    ('launch.ray.actor_resources=[{"CPU":-1}]', r"launch\.ray\.actor_resources\[0\].*CPU.*non-negative"),
+    ('launch.ray.actor_resources=[{"GPU":"one"}]', r"launch\.ray\.actor_resources\[0\].*GPU"),
+    ("launch.ray.learner_resources=[]", r"launch\.ray\.learner_resources: give at least one"),
+    ('launch.ray.learner_resources=[{"CPU":1},{"CPU":1}]', r"2 entries for 1 learner rank"),
+    ("launch.ray.strategy=EVERYWHERE", r"launch\.ray\.strategy"),
+    ("launch.ray.nodes=2", r"launch\.ray\.nodes: unknown key"),
+])
+def test_bad_launch_ray_block_names_file_and_key(override, match):
+    with pytest.raises(ConfigError, match=r"cartpole_ppo\.json.*" + match):
+        _cfg(override)
+
+
+def test_ring_refused_with_an_advertised_address():
+    with pytest.raises(ConfigError, match=r"rollout_transport.*advertise_host is '10\.0\.0\.1'"):
+        _cfg("actors.rollout_transport=ring", "learner.advertise_host=10.0.0.1")
+
+
+def test_bind_advertises_another_address_than_it_binds():
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PULL)
+        address = bind(sock, "127.0.0.1", 0, advertise="10.9.8.7")
+        assert address.startswith("tcp://10.9.8.7:")
+        assert sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1] == address.rsplit(":", 1)[1]
+        assert bind(ctx.socket(zmq.PULL), "127.0.0.1", 0).startswith("tcp://127.0.0.1:")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_rank_overrides_bind_or_advertise_the_node_address():
+    rr = _run_ray()
+    assert rr.rank_overrides(_cfg(), "10.0.0.2", across_nodes=False, resources={"CPU": 1}) == []
+    assert rr.rank_overrides(_cfg(), "10.0.0.2", True, {"CPU": 1}) == ["learner.host=10.0.0.2"]
+    assert rr.rank_overrides(_cfg("learner.host=0.0.0.0"), "10.0.0.2", True, {}) == ["learner.advertise_host=10.0.0.2"]
+    named = _cfg("learner.host=0.0.0.0", "learner.advertise_host=a.example")
+    assert rr.rank_overrides(named, "10.0.0.2", True, {}) == []
+    gpu = rr.rank_overrides(_cfg('learner.devices=["cuda:0","cuda:1"]'), "10.0.0.2", True, {"GPU": 1})
+    assert gpu == ["learner.host=10.0.0.2", "learner.device=cuda:0", 'learner.devices=["cuda:0", "cuda:0"]']
+
+
+def test_same_host_transports_are_refused_for_actors_on_other_nodes():
+    rr = _run_ray()
+    shm = _cfg("learner.weights_transport=shm")
+    errors = rr.check_placement(shm, ["node-a"], ["node-a", "node-b"])
+    assert len(errors) == 1 and "weights_transport \"shm\"" in errors[0] and "actors [1]" in errors[0]
+    assert rr.check_placement(shm, ["node-a"], ["node-a", "node-a"]) == []
+    assert rr.check_placement(_cfg(), ["node-a"], ["node-b", "node-b"]) == []
+
+
+def test_all_gather_text_through_gloo_without_pickle(tmp_path):
+    import torch.distributed as dist
+    from learner.distributed import Ranks
+    import torch
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ranks = Ranks(0, 1, torch.device("cpu"))
+        assert ranks.all_gather_text("tcp://10.200.1.2:5555") == ["tcp://10.200.1.2:5555"]
+        assert ranks.all_gather_text("hôte") == ["hôte"]
+        with pytest.raises(ValueError, match="more than 8"):
+            ranks.all_gather_text("x" * 9, max_bytes=8)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_restart_back_off_and_leftovers(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    from runners.ray_hosts import backoff_s, remove_learner_leftovers
+    assert [backoff_s(n) for n in (1, 2, 3, 4, 7, 8, 20)] == [0, 1, 2, 4, 30, 30, 30]
+    outside = tmp_path / "tandem-x.weights"        # only /dev/shm/tandem-*.weights is removed
+    outside.write_text("keep")
+    (tmp_path / "endpoints.json").write_text(json.dumps({"rollouts": "tcp://a:1", "weights": "tcp://a:2",
+                                                         "shm": str(outside)}))
+    remove_learner_leftovers(tmp_path)
+    assert outside.exists() and not (tmp_path / "endpoints.json").exists()
