@@ -42,7 +42,7 @@ from shared.config import ConfigError, load_config  # noqa: E402
 from shared.envs import make_env  # noqa: E402
 from shared.instructions import instruction_tokenizer  # noqa: E402
 
-CORRECTIONS = ("none", "is", "vtrace", "appo", "ewma", "mask")
+CORRECTIONS = ("none", "is", "vtrace", "appo", "ewma", "mask", "trust")
 
 
 def record_mean_lag(run_dir: Path) -> float:

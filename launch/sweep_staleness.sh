@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -f "$CONFIG" ]] || { echo "sweep_staleness.sh: config file '$CONFIG' not found" >&2; exit 2; }
 for c in $CORRECTIONS; do
-  [[ "$c" =~ ^(none|is|vtrace|appo|ewma|mask)$ ]] || { echo "sweep_staleness.sh: --corrections: unknown correction '$c' (none, is, vtrace, appo, ewma, mask)" >&2; exit 2; }
+  [[ "$c" =~ ^(none|is|vtrace|appo|ewma|mask|trust)$ ]] || { echo "sweep_staleness.sh: --corrections: unknown correction '$c' (none, is, vtrace, appo, ewma, mask, trust)" >&2; exit 2; }
 done
 for k in $SYNCS; do
   [[ "$k" =~ ^[1-9][0-9]*$ ]] || { echo "sweep_staleness.sh: --sync: '$k' is not a positive integer" >&2; exit 2; }

@@ -8,6 +8,8 @@ order comes from the learner's own ``torch.Generator``, so an update is a pure f
 
 from __future__ import annotations
 
+import logging
+
 from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Callable
@@ -24,6 +26,8 @@ from shared import keys
 from shared.keys import MASK
 from shared.config import PPOConfig
 from shared.policies.normalization import RewardScaler
+
+log = logging.getLogger("tandem.learner")
 
 
 def _mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -189,6 +193,11 @@ class PPO:
         self.reward_scaler = RewardScaler(cfg.gamma) if cfg.normalize_reward else None
         self.correction = make_correction(cfg, CurrentPolicy(policy, device), count)
         self._renormalize, self._refresh = True, None
+        self._update_cfg = cfg   # the trust correction's per-update clip and KL budget
+        if cfg.correction == "trust" and step is not None:
+            log.info("algorithm.cfg.correction \"trust\" changes the clip every update: learner.compile runs "
+                     "the eager loop")
+            self.step = None
 
     def observe(self, actor: int, reward: torch.Tensor, done: torch.Tensor) -> None:
         """A received rollout's rewards (any thread): the reward scaler's running statistics."""
@@ -210,11 +219,14 @@ class PPO:
             mu = batch[keys.LOG_PROB].clone()
             self._refresh = lambda: self.correction(batch, reward, stale, behaviour=mu)  # noqa: E731
         stats, self._renormalize = self.correction(batch, reward, stale)
+        if self.cfg.correction == "trust":
+            self._update_cfg = self.correction.update_config(self.cfg, float(lags.float().mean()))
+            stats.update({"trust_clip": self._update_cfg.clip_coef, "trust_kl": self._update_cfg.target_kl})
         return stats
 
     def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:
         """The epochs over a prepared `batch`; `policy` is the learner's, or its DDP wrapper."""
-        return ppo_update(policy, self.optimizer, batch, self.cfg, self.generator, hooks=hooks,
+        return ppo_update(policy, self.optimizer, batch, self._update_cfg, self.generator, hooks=hooks,
                           renormalize=self._renormalize, proximal=self.ewma, critic_thread=self.critic_thread,
                           refresh=self._refresh, step=self.step)
 

@@ -54,7 +54,8 @@ class UpdateLog:
         values = {f"loss/{names[k]}": v for k, v in stats.items() if k in names}
         values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift",
                                                              "bootstrap_shift", "masked_frac", "prox_weight_mean",
-                                                             "ess", "log_ratio_abs", "kl_behaviour")
+                                                             "ess", "log_ratio_abs", "kl_behaviour", "trust_clip",
+                                                             "trust_kl")
                        if k in stats})
         values["train/learning_rate"] = learning_rate
         if "groups_kept" in stats:   # GRPO's dynamic sampling: groups trained on and left out of this update

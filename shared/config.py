@@ -444,7 +444,7 @@ class PPOConfig(ClippedPGConfig):
     """Normalise advantages to zero mean and unit std in each minibatch."""
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
-    correction: Literal["none", "is", "vtrace", "appo", "ewma", "mask"] = "none"
+    correction: Literal["none", "is", "vtrace", "appo", "ewma", "mask", "trust"] = "none"
     """Off-policy correction for stale data; ``learner/corrections.py`` says when to use which.
     none: PPO's ratio on the behaviour log-prob mu. is: decoupled PPO, the clip centred on the
     policy at the start of the update, advantages weighted by min(rho_bar, pi/mu). vtrace: is, with
@@ -452,7 +452,11 @@ class PPOConfig(ClippedPGConfig):
     with V-trace targets and advantages (see appo_rho_weight). ewma: decoupled PPO whose proximal
     policy is an exponential moving average of past weights (Hilton et al. 2021). mask: is, with the
     samples whose pi/mu lies outside [1/mask_threshold, mask_threshold] dropped from the update.
-    Any correction but none normalises advantages once per batch, before the importance weight.
+    trust: vtrace with a trust region that knows the data's age: the clip (centred on pi_k/mu, as
+    vtrace's) shrinks to clip_coef / s and each update stops once its approximate KL to pi_k passes
+    trust_kl / s (checked per epoch), s the batch's mean lag raised to trust_lag_power; at a mean lag
+    of 1 or less it is vtrace with target_kl = trust_kl. Any correction but none normalises
+    advantages once per batch, before the importance weight.
     Recommended in vla mode: is; mask at large lags. The measurements behind that: docs/staleness.md."""
     rho_bar: Optional[Annotated[float, Range(gt=0)]] = None
     """Truncation of the importance weights. None: 100 for is, ewma and mask (Hilton et al.'s
@@ -481,6 +485,15 @@ class PPOConfig(ClippedPGConfig):
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,
     so the proximal policy is on average as old as plain PPO's (Hilton et al. 2021, section 4)."""
+    trust_kl: Annotated[float, Range(gt=0)] = 0.1
+    """trust: the approximate KL to pi_k one update may move at a mean lag of 1 (divided by the
+    batch's mean lag ** trust_lag_power above that); the update stops at the end of the epoch that
+    passes it. 0.1 costs nothing at lag 1 on HalfCheetah (0.05 cost 12%: docs/staleness.md)."""
+    trust_lag_power: Annotated[float, Range(ge=0, le=2)] = 0.5
+    """trust: the clip and the KL budget are divided by (mean lag) ** trust_lag_power. 0.5 (the
+    default, a move that adds up like a random walk's): level with vtrace on HalfCheetah at lag 8 with
+    mu three times closer to pi_k; 1 (GePPO's scaling) holds mu closest but leaves each version too
+    small a move there; 0: the same budget at every lag, which does not bound the distance to mu."""
     mask_threshold: Annotated[float, Range(gt=1)] = 2.0
     """mask: keep a sample only while 1/threshold <= pi/mu <= threshold (RLinf's
     behave_weight_threshold, default 2)."""
@@ -517,13 +530,13 @@ class PPOConfig(ClippedPGConfig):
         depends on the correction and the data)."""
         if self.advantages_every is not None:
             return self.advantages_every
-        return "epoch" if self.correction in ("appo", "vtrace") and stale else "update"
+        return "epoch" if self.correction in ("appo", "vtrace", "trust") and stale else "update"
 
     def rho_bar_for(self) -> float:
         """The truncation level in use (the default depends on the correction)."""
         if self.rho_bar is not None:
             return self.rho_bar
-        return 1.0 if self.correction in ("vtrace", "appo") else 100.0
+        return 1.0 if self.correction in ("vtrace", "appo", "trust") else 100.0
 
 
 @dataclass

@@ -437,3 +437,34 @@ def test_importance_diagnostics_by_hand():
     assert d["rho_clipped_frac"] == 0.5 and d["rho_max"] == pytest.approx(4.0) and d["rho_mean"] == pytest.approx(1.875)
     fresh = importance_diagnostics(torch.zeros(8), rho_bar=1.0)
     assert fresh["ess"] == pytest.approx(1.0) and fresh["kl_behaviour"] == 0.0 and fresh["log_ratio_abs"] == 0.0
+
+
+def test_trust_clips_around_pi_k_over_mu_and_shrinks_with_the_lag(tmp_path, monkeypatch):
+    """``trust`` on a rollout 3 versions old: the ratio's anchor is pi_k (the policy when the
+    update starts), so the clip on pi/mu is centred on pi_k/mu; with trust_lag_power 1 the update
+    trains with clip_coef / 3 and stops at trust_kl / 3; the targets and advantages are vtrace's."""
+    cfg, learner, td, logp_now, v_now, seen, stats = _stale_update(tmp_path, monkeypatch, lag=3, correction="trust",
+                                                                   trust_kl=0.06, trust_lag_power=1.0)
+    batch = seen["batch"]
+    torch.testing.assert_close(batch[keys.LOG_PROB].view_as(logp_now), logp_now)      # the anchor: pi_k, not mu
+    assert not torch.allclose(batch[keys.LOG_PROB].view_as(logp_now), td[keys.LOG_PROB])
+    a = cfg.algorithm.cfg
+    assert stats["trust_clip"] == pytest.approx(a.clip_coef / 3) and stats["trust_kl"] == pytest.approx(0.02)
+    assert a.rho_bar_for() == 1.0 and a.advantages_every_for(stale=True) == "epoch"
+    # in pi/mu terms the clip band is pi_k/mu x [1 - eps, 1 + eps]: a sample the update moved to
+    # exactly the band's edge is not clipped, one just beyond it is
+    from learner.corrections import TrustRegion
+    upd = TrustRegion.update_config(a, 3.0)
+    mb = TensorDict({keys.ADVANTAGE: torch.ones(2), keys.LOG_PROB: torch.zeros(2)}, [2])
+    eps = upd.clip_coef
+    new_logp = torch.log(torch.tensor([1 + eps * 0.999, 1 + eps * 1.001]))
+    from learner.ppo import _policy_terms
+    out = _policy_terms(mb, upd, False, mb[keys.ADVANTAGE], mb[keys.LOG_PROB], new_logp, torch.zeros(2))
+    assert float(out["clip_frac"]) == 0.5
+    fresh = TrustRegion.update_config(a, 0.7)     # at a mean lag of 1 or less: vtrace's clip
+    assert fresh.clip_coef == a.clip_coef and fresh.target_kl == a.trust_kl
+    from dataclasses import replace
+    half = TrustRegion.update_config(replace(a, trust_lag_power=0.5), 4.0)   # divided by sqrt(4)
+    assert half.clip_coef == pytest.approx(a.clip_coef / 2) and half.target_kl == pytest.approx(a.trust_kl / 2)
+    fixed = TrustRegion.update_config(replace(a, trust_lag_power=0.0), 8.0)  # a fixed budget per version
+    assert fixed.clip_coef == a.clip_coef and fixed.target_kl == a.trust_kl
