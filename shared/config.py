@@ -457,7 +457,8 @@ class PPOConfig(ClippedPGConfig):
     trust_kl / s (checked per epoch), s the batch's mean lag raised to trust_lag_power; at a mean lag
     of 1 or less it is vtrace with target_kl = trust_kl. Any correction but none normalises
     advantages once per batch, before the importance weight.
-    Recommended in vla mode: is; mask at large lags. The measurements behind that: docs/staleness.md."""
+    Recommended in vla mode: trust (is where an extra forward pass per epoch costs more than the
+    lag). The measurements behind that: docs/staleness.md."""
     rho_bar: Optional[Annotated[float, Range(gt=0)]] = None
     """Truncation of the importance weights. None: 100 for is, ewma and mask (Hilton et al.'s
     reference code clips there; a weight of 1 would pull every update back towards mu), 1 for vtrace
