@@ -324,8 +324,10 @@ class Intake:
         metrics = [m for m in map(clean_metrics, metrics[:1_000]) if m] if isinstance(metrics, list) else []
         episodes = [(float(r), n) for r, n in list(zip(returns, lengths))[:10_000]
                     if _is_num(r) and _is_int(n) and math.isfinite(r)]
-        self.counters.add_rollout(actor, td.numel(), now, times, episodes, successes, metrics)
+        # stored before counted: once the run's env steps are all in (the count), the learner's final
+        # drain must find every counted rollout in the buffer, or it drops the last full batch
         self.store(td, info, other_learner)
+        self.counters.add_rollout(actor, td.numel(), now, times, episodes, successes, metrics)
 
     def note_syncs(self, actor: int, synced: Any) -> None:
         """Weight-sync delays an actor reports: ``[[version, received, first_acted], ...]`` for each
