@@ -14,7 +14,8 @@ Three parts, all in one run on one device, each printed as a table with ratios:
    (on CUDA) captured once in a CUDA graph.
 2. **Pipeline** (``--pipeline``). Env steps per second of the same work (``tandem/Pendulum-v0``
    on the device, 2 actors of ``envs / 2`` envs) in one process (``python -m runners.serial``'s
-   runner) and through ``launch/run_local.sh`` in standard and vla mode, per minibatch size, in the
+   runner) and through ``launch/run_local.sh`` in standard and vla mode (vla also with the rollouts
+   through the same-host ring, ``vla_ring``: device memory by CUDA IPC), per minibatch size, in the
    best ``learner.compile`` mode of part 1. Steady state: start-up (imports, building the envs and
    policies, the first rollout) is left out of both.
 3. **MuJoCo Warp** (``--warp``, needs CUDA and ``mujoco-warp``). HalfCheetah at mjlab's settings
@@ -192,13 +193,18 @@ def _serial_rate(raw: dict) -> dict:
     return {"env_steps": steps, "wall_s": t2 - t0, "sps": (steps - first) / max(t2 - t1, 1e-9)}
 
 
-def _launcher_rate(raw: dict, buffer_type: str, work: Path, timeout_s: float) -> dict:
+# The launcher variants of part 2: (label, trainer.buffer_type, actors.rollout_transport).
+LAUNCHER_VARIANTS = (("standard", "standard", "zmq"), ("vla", "vla", "zmq"), ("vla_ring", "vla", "ring"))
+
+
+def _launcher_rate(raw: dict, label: str, buffer_type: str, transport: str, work: Path, timeout_s: float) -> dict:
     raw = json.loads(json.dumps(raw))
     raw["trainer"]["buffer_type"] = buffer_type
-    path = work / f"{buffer_type}_{raw['algorithm']['cfg']['batch_size']}.json"
+    raw["actors"]["rollout_transport"] = transport
+    path = work / f"{label}_{raw['algorithm']['cfg']['batch_size']}.json"
     path.write_text(json.dumps(raw))
     run_dir = work / path.stem
-    wall, notes = run_launcher(["--config", str(path)], run_dir, timeout_s, f"launcher {buffer_type}")
+    wall, notes = run_launcher(["--config", str(path)], run_dir, timeout_s, f"launcher {label}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"env_steps": summary["env_steps"], "launcher_wall_s": wall, "learner_wall_s": summary["wall_s"],
             "sps": _steady_rate(summary), "stop_notes": notes}
@@ -218,12 +224,12 @@ def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
         for mb in args.minibatches:
             raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, mode, args.total_steps)
             row = {"minibatch": mb, "mode": mode, "serial": _serial_rate(raw)}
-            for buffer_type in ("standard", "vla"):
+            for label, buffer_type, transport in LAUNCHER_VARIANTS:
                 try:
-                    row[buffer_type] = _launcher_rate(raw, buffer_type, Path(tmp), args.timeout)
-                    row[f"{buffer_type}_over_serial"] = row[buffer_type]["sps"] / row["serial"]["sps"]
+                    row[label] = _launcher_rate(raw, label, buffer_type, transport, Path(tmp), args.timeout)
+                    row[f"{label}_over_serial"] = row[label]["sps"] / row["serial"]["sps"]
                 except BenchmarkError as e:
-                    row[buffer_type] = {"error": str(e)[-600:]}
+                    row[label] = {"error": str(e)[-600:]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

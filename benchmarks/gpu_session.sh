@@ -12,9 +12,10 @@
 # else python3; the project is used from this checkout (PYTHONPATH), not installed.
 #
 # Steps, in order of what matters most:
-#   1. the device and the packages (always); gpu-tests: pytest -m gpu (tests/test_cuda.py and the collector on CUDA)
+#   1. the device and the packages (always); gpu-tests: pytest -m gpu (tests/test_cuda.py, the collector on CUDA,
+#      the rollout ring through CUDA IPC and its dead producer)
 #   1b. gpu-pipeline: benchmarks/gpu_pipeline.py: the update per learner.compile mode against a graph-captured
-#      floor, env steps/s of the serial runner against the launcher (standard, vla) at minibatches 4,096 and
+#      floor, env steps/s of the serial runner against the launcher (standard, vla, vla with the CUDA-IPC ring) at minibatches 4,096 and
 #      32,768, and MuJoCo Warp HalfCheetah at mjlab's settings where mujoco-warp imports (gpu_pipeline.json)
 #   2. vla-weights: benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
 #      bfloat16 and bf16 autocast at batch 1/8/32, a LoRA training step, peak memory
@@ -136,11 +137,13 @@ for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", 
         print(f"[gpu]   {m} NOT IMPORTABLE: {type(e).__name__}: {e}")
 EOF
 
-want gpu-tests && step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py
+want gpu-tests && step gpu-tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py \
+  tests/test_rollout_ring.py
 # issue 46's done-when 3: the update per learner.compile mode against the captured floor, the pipeline
 # against the serial runner at minibatches 4,096 and 32,768, and MuJoCo Warp at mjlab's settings
-want gpu-pipeline && step gpu-pipeline 420 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \
-  $("$PY" -c "import mujoco_warp" 2>/dev/null && echo --warp) --timeout 150 --out "$OUTDIR/gpu_pipeline.json"
+want gpu-pipeline && step gpu-pipeline 330 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \
+  $("$PY" -c "import mujoco_warp" 2>/dev/null && echo --warp) --timeout 90 --total-steps $((4096 * 32 * 12)) \
+  --out "$OUTDIR/gpu_pipeline.json"
 want vla-weights && step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
   --train-batch 8 --no-broadcast --repeats 3 --json "$OUTDIR/vla_weights.json"
 

@@ -40,6 +40,6 @@ def test_pipeline_part_compares_the_launcher_with_the_serial_runner(tmp_path):
     assert gpu_pipeline.main(args) == 0
     (row,) = json.loads(out.read_text())["pipeline"]
     assert row["mode"] == "off" and row["serial"]["env_steps"] >= 4096
-    for buffer_type in ("standard", "vla"):
+    for buffer_type in ("standard", "vla", "vla_ring"):
         assert row[buffer_type]["env_steps"] >= 4096 and row[buffer_type]["stop_notes"] == []
         assert row[f"{buffer_type}_over_serial"] == pytest.approx(row[buffer_type]["sps"] / row["serial"]["sps"])

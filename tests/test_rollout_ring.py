@@ -502,3 +502,57 @@ def test_cuda_ring_round_trip_through_ipc():
         assert _state(r, 0, h["slot"]) == FREE
     finally:
         r.close()
+
+
+_CUDA_DEAD_CHILD = r"""
+import os, signal, sys, torch, msgpack
+from tensordict import TensorDict
+from shared.rollout_ring import RingProducer
+from tests.test_rollout_ring import _filled, _template
+path, seed, die, device = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "die", sys.argv[4]
+p = RingProducer(path, 0, 2, 3, _template())
+h = p.write(p.claim(5.0), _filled(seed).to(device))
+if die:
+    p.claim(5.0)                                  # killed while writing this one
+sys.stdout.write(msgpack.packb({"header": h, "epoch": p.epoch}).hex())
+sys.stdout.flush()
+if die:
+    os.kill(os.getpid(), signal.SIGKILL)
+p.close()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_killed_cuda_producers_slots_are_reclaimed(device="cuda:0"):
+    """An actor SIGKILLed with one slot READY (its header never sent) and one WRITING, in device
+    memory: its restart frees the WRITING slot, the learner the READY one, the dead header is
+    refused, and the new life's rollout arrives intact through CUDA IPC."""
+    import msgpack
+    r = RolloutRing(_template(), 2, 3, default_path(f"test-{uuid.uuid4().hex[:8]}"), device=device)
+
+    def child(seed: int, die: bool) -> tuple[int, dict]:
+        out = subprocess.run([sys.executable, "-c", _CUDA_DEAD_CHILD, str(r.path), str(seed), "die" if die else "live", device],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        got = msgpack.unpackb(bytes.fromhex(out.stdout.strip())) if out.stdout.strip() else None
+        assert got is not None, (out.returncode, out.stderr)
+        return out.returncode, got
+
+    try:
+        rc, dead = child(0, die=True)
+        assert rc == -9
+        states = sorted(_state(r, 0, s) for s in range(3))
+        assert states == sorted([READY, WRITING, FREE]), states
+        rc, fresh = child(7, die=False)
+        assert rc == 0 and fresh["epoch"] == dead["epoch"] + 1
+        assert r.reclaim() == 1                                    # the dead life's READY slot
+        with pytest.raises(WireError, match="not ready|stale"):
+            r.take(0, dead["header"])
+        got = r.take(0, fresh["header"])
+        assert got.device == torch.device(device)
+        assert (got.cpu() == _filled(7)).all()
+        assert [_state(r, 0, s) for s in range(3)] == [FREE, FREE, FREE]
+    finally:
+        r.close()
+    assert not r.path.exists()
