@@ -3,7 +3,7 @@ graph-captured floor and a single process doing the same work.
 
     python benchmarks/gpu_pipeline.py [--device cuda:0] [--minibatches 4096,32768] [--envs 4096]
         [--steps 32] [--epochs 5] [--hidden 256] [--modes off,compile,graph] [--pipeline]
-        [--total-steps N] [--warp] [--out FILE.json]
+        [--total-steps N] [--warp] [--out FILE.json] [--keep-runs DIR]
 
 Three parts, all in one run on one device, each printed as a table with ratios:
 
@@ -221,6 +221,9 @@ def _steady_rate(summary: dict) -> float:
 def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpu_pipeline_") as tmp:
+        if args.keep_runs is not None:   # every run's directory (metrics, logs, summary) kept there
+            args.keep_runs.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep_runs)
         for mb in args.minibatches:
             raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, mode, args.total_steps)
             row = {"minibatch": mb, "mode": mode, "serial": _serial_rate(raw)}
@@ -272,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warp-steps", type=int, default=4096 * 24 * 60)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launcher run")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--keep-runs", type=Path, default=None, help="keep the launcher runs' directories here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -143,7 +143,7 @@ want gpu-tests && step gpu-tests 100 "$PY" -m pytest -q -p no:cacheprovider -m g
 # against the serial runner at minibatches 4,096 and 32,768, and MuJoCo Warp at mjlab's settings
 want gpu-pipeline && step gpu-pipeline 330 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \
   $("$PY" -c "import mujoco_warp" 2>/dev/null && echo --warp) --timeout 90 --total-steps $((4096 * 32 * 12)) \
-  --out "$OUTDIR/gpu_pipeline.json"
+  --out "$OUTDIR/gpu_pipeline.json" --keep-runs "$RUNS/gpu_pipeline"
 want vla-weights && step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
   --train-batch 8 --no-broadcast --repeats 3 --json "$OUTDIR/vla_weights.json"
 

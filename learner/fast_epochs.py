@@ -292,7 +292,10 @@ class _Captured:
                 step._body(static, self.idx, loss_fn, self.acc, after_step, self.enabled)
         torch.cuda.current_stream(step.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: the learner's receiver thread keeps copying rollouts (from the CUDA-IPC ring:
+        # its own copies and syncs) while this thread captures; "global" would fail those calls and
+        # invalidate the capture. The receiver's work is on other streams, so none of it is captured.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             step._body(static, self.idx, loss_fn, self.acc, after_step, self.enabled)
         self.enabled.fill_(True)
         log.info("learner.compile graph: captured the minibatch step for %d samples", size)

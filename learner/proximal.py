@@ -62,8 +62,14 @@ class EWMAProximal:
         device flag, whether the step was taken (the sync-free loop of ``learner/fast_epochs.py``);
         where it is 0 the average stays."""
         names = list(self.tensors)
+        avg, live = [self.tensors[n] for n in names], [self._live[n].detach() for n in names]
+        # avg += w * (live - avg) in three ops, not _foreach_lerp_: that takes only a Python scalar (a
+        # device weight would be read on the host, a sync that a CUDA graph capture refuses), and the
+        # eager and sync-free loops must round alike.
         weight = 1.0 - self.decay if taken is None else taken.to(torch.float32) * (1.0 - self.decay)
-        torch._foreach_lerp_([self.tensors[n] for n in names], [self._live[n].detach() for n in names], weight)
+        delta = torch._foreach_sub(live, avg)
+        torch._foreach_mul_(delta, weight)
+        torch._foreach_add_(avg, delta)
 
     @torch.no_grad()
     def log_prob(self, td) -> torch.Tensor:

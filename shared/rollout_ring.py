@@ -289,6 +289,10 @@ def _open_cuda_handle(blob: bytes, nbytes: int) -> torch.Tensor:
     if not ok:
         raise WireError(f"rollout ring: bad CUDA handle (fields, or a size other than {nbytes} bytes)")
     try:
+        # The CUDA context first, as torch.multiprocessing does before opening a handle. On an H100
+        # (2026-11-27) a test's child that had not touched CUDA before attaching died of SIGSEGV
+        # here, while actors that had built their policy on the device attached fine.
+        torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
             h["device"], h["handle"], h["size"], h["offset"], h["ref_handle"], h["ref_offset"],
             h["event_handle"] or None, h["event_sync"])

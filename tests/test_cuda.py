@@ -220,7 +220,7 @@ def test_a_seed_is_the_same_episode_on_the_device_as_on_the_cpu(env_id):
         dev.close()
 
 
-@pytest.mark.parametrize("form", ["none", "mask", "ewma"])
+@pytest.mark.parametrize("form", ["none", "is/vtrace/appo", "mask", "ewma"])
 def test_graph_mode_equals_eager_on_the_device(form):
     """learner.compile "graph" on CUDA: the minibatch step captured once per minibatch size and
     replayed, against the eager loop on the same device: the same steps taken, and the weights equal

@@ -466,6 +466,11 @@ def test_standard_mode_trains_the_same_weights_through_the_ring(tmp_path):
 
 # ============================================================================ CUDA (a GPU machine only)
 
+def _child_env() -> dict:
+    """The project first, and whatever PYTHONPATH already holds (wheels carried to a GPU machine)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 _CUDA_CHILD = r"""
 import sys, torch, msgpack
 from tensordict import TensorDict
@@ -492,7 +497,7 @@ def test_cuda_ring_round_trip_through_ipc():
     r = RolloutRing(_template(), 2, 2, default_path(f"test-{uuid.uuid4().hex[:8]}"), device="cuda:0")
     try:
         out = subprocess.run([sys.executable, "-c", _CUDA_CHILD, str(r.path)], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             timeout=120, cwd=ROOT, env=_child_env())
         assert out.returncode == 0, out.stderr
         h = msgpack.unpackb(bytes.fromhex(out.stdout.strip()))
         got = r.take(0, h)
@@ -534,7 +539,7 @@ def test_a_killed_cuda_producers_slots_are_reclaimed(device="cuda:0"):
     def child(seed: int, die: bool) -> tuple[int, dict]:
         out = subprocess.run([sys.executable, "-c", _CUDA_DEAD_CHILD, str(r.path), str(seed), "die" if die else "live", device],
                              capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             env=_child_env())
         got = msgpack.unpackb(bytes.fromhex(out.stdout.strip())) if out.stdout.strip() else None
         assert got is not None, (out.returncode, out.stderr)
         return out.returncode, got
