@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -207,15 +208,32 @@ def _launcher_rate(raw: dict, label: str, buffer_type: str, transport: str, work
     wall, notes = run_launcher(["--config", str(path)], run_dir, timeout_s, f"launcher {label}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"env_steps": summary["env_steps"], "launcher_wall_s": wall, "learner_wall_s": summary["wall_s"],
-            "sps": _steady_rate(summary), "stop_notes": notes}
+            **run_rates(run_dir, raw["actors"]["num_actors"]), "stop_notes": notes}
 
 
-def _steady_rate(summary: dict) -> float:
-    """Env steps/s from the first rollout's arrival to the last's (start-up left out, as for the
-    serial runner): every rollout after the first, over that time."""
-    span = summary["last_rollout_time"] - summary["first_rollout_time"]
-    first = summary["env_steps"] / max(summary["rollouts"], 1)
-    return (summary["env_steps"] - first) / max(span, 1e-9)
+def run_rates(run_dir: Path, num_actors: int) -> dict:
+    """A launcher run's steady state, measured as the serial runner's is: from the end of the first
+    update (start-up, the first rollouts, the first update and any capture left out) to the last
+    publish, env steps trained over that time (``sps``, from ``versions.jsonl``'s publish events).
+    Next to it the overlap bound: samples per update over the larger of the collection time per
+    update (the actors' summed collection time per update over ``num_actors``, who collect side by
+    side) and the learner's update time (medians over the updates after the first, ``metrics.jsonl``),
+    and ``overlap`` = sps / bound (1 = collection and update fully overlapped, nothing else costs)."""
+    pubs = [e for e in read_jsonl(run_dir / "versions.jsonl") if e.get("event") == "publish" and e.get("version", 0) >= 1]
+    if len(pubs) < 2:
+        raise BenchmarkError(f"{run_dir}: {len(pubs)} updates published, too few for a steady rate")
+    sps = (pubs[-1]["env_steps"] - pubs[0]["env_steps"]) / max(pubs[-1]["time"] - pubs[0]["time"], 1e-9)
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in r][1:]
+    out = {"sps": sps, "updates_timed": len(pubs) - 1}
+    if len(rows) >= 2:
+        per_update = [(b["perf/total/collect_wall_s"] - a["perf/total/collect_wall_s"])
+                      / max(b["env_steps"] - a["env_steps"], 1) * a["perf/samples_per_update"] / num_actors
+                      for a, b in zip(rows, rows[1:]) if b["env_steps"] > a["env_steps"]]
+        collect = statistics.median(per_update) if per_update else math.nan
+        update = statistics.median(r["perf/update_s"] for r in rows)
+        bound = rows[-1]["perf/samples_per_update"] / max(collect, update)
+        out.update(collect_s_per_update=collect, update_s_per_update=update, bound_sps=bound, overlap=sps / bound)
+    return out
 
 
 def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
@@ -250,8 +268,9 @@ def part_warp(args, device: torch.device, mode: str) -> dict:
         wall, _ = run_launcher(args_, run_dir, args.timeout, "mjwarp")
         summary = json.loads((run_dir / "summary.json").read_text())
         train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/episode_return" in r]
+        rates = run_rates(run_dir, 1)
     row = {"env_steps": summary["env_steps"], "learner_wall_s": summary["wall_s"], "launcher_wall_s": wall,
-           "sps": _steady_rate(summary), "anchor_sps": MJLAB_ANCHOR,
+           **rates, "anchor_sps": MJLAB_ANCHOR,
            "last_train_return": train[-1]["train/episode_return"] if train else None}
     row["over_anchor"] = row["sps"] / MJLAB_ANCHOR
     print(json.dumps(row), flush=True)

@@ -43,3 +43,7 @@ def test_pipeline_part_compares_the_launcher_with_the_serial_runner(tmp_path):
     for buffer_type in ("standard", "vla", "vla_ring"):
         assert row[buffer_type]["env_steps"] >= 4096 and row[buffer_type]["stop_notes"] == []
         assert row[f"{buffer_type}_over_serial"] == pytest.approx(row[buffer_type]["sps"] / row["serial"]["sps"])
+        r = row[buffer_type]    # the steady window leaves the first update out (a run may train one rollout more)
+        assert r["updates_timed"] in (4096 // 512 - 1, 4096 // 512)
+        assert r["bound_sps"] == pytest.approx(512 / max(r["collect_s_per_update"], r["update_s_per_update"]))
+        assert r["overlap"] == pytest.approx(r["sps"] / r["bound_sps"])
