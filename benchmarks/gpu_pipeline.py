@@ -3,7 +3,7 @@ graph-captured floor and a single process doing the same work.
 
     python benchmarks/gpu_pipeline.py [--device cuda:0] [--minibatches 4096,32768] [--envs 4096]
         [--steps 32] [--epochs 5] [--hidden 256] [--modes off,compile,graph] [--pipeline]
-        [--total-steps N] [--warp] [--out FILE.json] [--keep-runs DIR]
+        [--actors N] [--total-steps N] [--warp] [--out FILE.json] [--keep-runs DIR]
 
 Three parts, all in one run on one device, each printed as a table with ratios:
 
@@ -13,7 +13,7 @@ Three parts, all in one run on one device, each printed as a table with ratios:
    (gather, Tandem's PPO loss, backward, clip, fused Adam), with no bookkeeping at all, eager and
    (on CUDA) captured once in a CUDA graph.
 2. **Pipeline** (``--pipeline``). Env steps per second of the same work (``tandem/Pendulum-v0``
-   on the device, 2 actors of ``envs / 2`` envs) in one process (``python -m runners.serial``'s
+   on the device, ``--actors`` actors of ``envs / actors`` envs, 2 by default) in one process (``python -m runners.serial``'s
    runner) and through ``launch/run_local.sh`` in standard and vla mode (vla also with the rollouts
    through the same-host ring, ``vla_ring``: device memory by CUDA IPC), per minibatch size, in the
    best ``learner.compile`` mode of part 1. Steady state: start-up (imports, building the envs and
@@ -57,13 +57,13 @@ MJLAB_ANCHOR = 450_000   # env steps/s, mjlab HalfCheetah-v5 4,096 envs (its BEN
 
 
 def run_config(device: str, envs: int, steps: int, epochs: int, minibatch: int, hidden: int, mode: str,
-               total_steps: int) -> dict:
-    """The config every part uses: Pendulum on the device, 2 actors, the given update shape."""
+               total_steps: int, actors: int = 2) -> dict:
+    """The config every part uses: Pendulum on the device, `actors` actors, the given update shape."""
     net = {"type": "mlp", "network_cfg": {"hidden_sizes": [hidden, hidden], "activation": "relu"}}
     return {"trainer": {"exp_name": "gpu_pipeline", "seed": 1, "total_steps": total_steps, "buffer_size": steps,
                         "buffer_type": "standard", "buffer_capacity": 4, "max_policy_lag": 1, "eval_freq": 0,
                         "save_freq": 0, "log_interval_s": 30},
-            "actors": {"num_actors": 2, "num_envs": max(envs // 2, 1), "devices": [device]},
+            "actors": {"num_actors": actors, "num_envs": max(envs // actors, 1), "devices": [device]},
             "learner": {"device": device, "compile": mode},
             "env": {"id": ENV, "cfg": {}},
             "policy": {"name": "actor_critic", "normalize_obs": True, "actor": net, "critic": net},
@@ -243,8 +243,9 @@ def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
             args.keep_runs.mkdir(parents=True, exist_ok=True)
             tmp = str(args.keep_runs)
         for mb in args.minibatches:
-            raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, mode, args.total_steps)
-            row = {"minibatch": mb, "mode": mode, "serial": _serial_rate(raw)}
+            raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, mode, args.total_steps,
+                             args.actors)
+            row = {"minibatch": mb, "mode": mode, "actors": args.actors, "serial": _serial_rate(raw)}
             for label, buffer_type, transport in LAUNCHER_VARIANTS:
                 try:
                     row[label] = _launcher_rate(raw, label, buffer_type, transport, Path(tmp), args.timeout)
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed updates per mode")
     p.add_argument("--modes", type=lambda s: s.split(","), default=["off", "compile", "graph"])
     p.add_argument("--pipeline", action="store_true", help="part 2: serial runner against the launcher")
+    p.add_argument("--actors", type=int, default=2, help="part 2: actors sharing --envs (and the device)")
     p.add_argument("--pipeline-mode", default=None, help="learner.compile for part 2 (default: part 1's fastest)")
     p.add_argument("--total-steps", type=int, default=4096 * 32 * 20)
     p.add_argument("--warp", action="store_true", help="part 3: MuJoCo Warp HalfCheetah at mjlab's settings")

@@ -16,7 +16,8 @@
 #      the rollout ring through CUDA IPC and its dead producer)
 #   1b. gpu-pipeline: benchmarks/gpu_pipeline.py: the update per learner.compile mode against a graph-captured
 #      floor, env steps/s of the serial runner against the launcher (standard, vla, vla with the CUDA-IPC ring) at minibatches 4,096 and
-#      32,768, and MuJoCo Warp HalfCheetah at mjlab's settings where mujoco-warp imports (gpu_pipeline.json)
+#      32,768, and MuJoCo Warp HalfCheetah at mjlab's settings where mujoco-warp imports (gpu_pipeline.json);
+#      more arguments from $TANDEM_GPU_PIPELINE_ARGS (for example "--actors 1 --modes graph")
 #   2. vla-weights: benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
 #      bfloat16 and bf16 autocast at batch 1/8/32, a LoRA training step, peak memory
 #   3. cheetah: HalfCheetah PPO (configs/halfcheetah_ppo.json, 61,440 steps): learner on cpu, then on cuda:0
@@ -122,6 +123,14 @@ print(f"[gpu] {sys.argv[1].split('/')[-2]}: env_steps {s.get('env_steps')}, upda
 EOF
 }
 
+# TANDEM_GPU_MPS=1: run every step under CUDA MPS (nvidia-cuda-mps-control), so the kernels of the
+# actors and the learner on one GPU run side by side instead of time-slicing (issue 46's open question).
+if [[ "${TANDEM_GPU_MPS:-0}" == 1 ]] && command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "[gpu] CUDA MPS started" || echo "[gpu] CUDA MPS did not start"
+  trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null' EXIT
+fi
 echo "=== [device] $(date -u) on $(hostname), $(nproc) cores"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
 "$PY" - <<'EOF'
@@ -143,6 +152,7 @@ want gpu-tests && step gpu-tests 100 "$PY" -m pytest -q -p no:cacheprovider -m g
 # against the serial runner at minibatches 4,096 and 32,768, and MuJoCo Warp at mjlab's settings
 want gpu-pipeline && step gpu-pipeline 330 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \
   $("$PY" -c "import mujoco_warp" 2>/dev/null && echo --warp) --timeout 90 --total-steps $((4096 * 32 * 12)) \
+  ${TANDEM_GPU_PIPELINE_ARGS:-} \
   --out "$OUTDIR/gpu_pipeline.json" --keep-runs "$RUNS/gpu_pipeline"
 want vla-weights && step vla-weights 200 "$PY" benchmarks/vla_weights.py --devices "$DEVICES" --batch 1,8,32 --cpu-batch 1 \
   --train-batch 8 --no-broadcast --repeats 3 --json "$OUTDIR/vla_weights.json"
@@ -193,9 +203,12 @@ if want reach-gains; then
   cp "$RUNS/reach_gains/gains.json" "$OUTDIR/" 2>/dev/null
 fi
 
-want inference-server && step inference-server 175 "$PY" benchmarks/inference_server.py \
+# Each run starts 9 processes that build the 0.5B model on the CPU (the same seeded weights in each):
+# on an H100 (2026-11-27) the actors' first rollout came 64 s after the launch, so 80 s per run was
+# too short for 1,024 steps; 150 s is not.
+want inference-server && step inference-server 330 "$PY" benchmarks/inference_server.py \
   --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 1024 \
-  --buffer-size 8 --timeout 80 --set policy.vla_config.autocast=true --set learner.device=$DEV \
+  --buffer-size 8 --timeout 150 --set policy.vla_config.autocast=true --set learner.device=$DEV \
   --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
 if want reach-ds; then
   step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \
