@@ -147,7 +147,7 @@ for m in ("tensordict", "zmq", "msgpack", "gymnasium", "mujoco", "safetensors", 
 EOF
 
 want gpu-tests && step gpu-tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py \
-  tests/test_rollout_ring.py
+  tests/test_rollout_ring.py tests/test_shm_weights.py
 # issue 46's done-when 3: the update per learner.compile mode against the captured floor, the pipeline
 # against the serial runner at minibatches 4,096 and 32,768, and MuJoCo Warp at mjlab's settings
 want gpu-pipeline && step gpu-pipeline 330 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \

@@ -110,8 +110,9 @@ def check_placement(cfg: Config, rank_nodes: list[str], actor_nodes: list[str]) 
     """Same-host transports refused where the placement put an actor on another node than rank 0."""
     remote = [i for i, n in enumerate(actor_nodes) if n != rank_nodes[0]]
     errors = []
-    if remote and cfg.learner.weights_transport == "shm":
-        errors.append(f"learner.weights_transport \"shm\": the weights ring is in the memory of rank 0's node, "
+    if remote and cfg.learner.weights_transport in ("shm", "cuda_ipc"):
+        errors.append(f"learner.weights_transport \"{cfg.learner.weights_transport}\": the weights ring is in the "
+                      f"memory of rank 0's node, "
                       f"but actors {remote} were placed on other nodes; use \"zmq\" (or pin the actors to rank "
                       f"0's node with a node resource in launch.ray.actor_resources)")
     if remote and cfg.actors.rollout_transport == "ring":

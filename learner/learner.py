@@ -147,9 +147,10 @@ class Learner:
         self.stop_requested: Callable[[], bool] | None = None
         self.checkpoints = Checkpoints(self.run_dir, t.save_freq)
         self.resumed_from: Path | None = self._resume() if resume else None
-        shm = cfg.learner.weights_transport == "shm" and (ranks is None or ranks.is_main)
+        shm = cfg.learner.weights_transport in ("shm", "cuda_ipc") and (ranks is None or ranks.is_main)
         self.weights_out = WeightsOut(publisher, self.policy, self.device, self.incarnation, self.base_digest,
-                                      shm_slots=cfg.learner.shm_slots if shm else None, run_dir=self.run_dir)
+                                      shm_slots=cfg.learner.shm_slots if shm else None, run_dir=self.run_dir,
+                                      shm_device=self.device if cfg.learner.weights_transport == "cuda_ipc" else None)
         self.publish_times, self.shm_writer = self.weights_out.publish_times, self.weights_out.shm_writer
         self.intake = Intake(cfg, self.spec, self.template, self.stats, store=self._store,
                              version=lambda: self.version, accepting=lambda: self.accepting,

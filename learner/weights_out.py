@@ -55,10 +55,13 @@ class WeightsOut:
         incarnation, base_digest: this learner life's id and the frozen base's digest, in every message.
         shm_slots: with a number, the tensors go through a shared-memory ring of that many slots named
             after `run_dir`; None sends them in the message.
+        shm_device: the ring's copies in this device's memory, shared by CUDA IPC
+            (``learner.weights_transport: "cuda_ipc"``); None keeps them in the shared-memory file.
     """
 
     def __init__(self, publisher: Publisher, policy: torch.nn.Module, device: torch.device, incarnation: str,
-                 base_digest: str, shm_slots: int | None = None, run_dir: Path | None = None):
+                 base_digest: str, shm_slots: int | None = None, run_dir: Path | None = None,
+                 shm_device: torch.device | None = None):
         self.publisher, self.policy, self.device = publisher, policy, device
         self.incarnation, self.base_digest = incarnation, base_digest
         self.publish_times: dict[int, float] = {}   # version -> wall time it was published (recent ones)
@@ -67,7 +70,7 @@ class WeightsOut:
         self.shm_writer = None
         if shm_slots is not None:
             tag = hashlib.sha1(str(run_dir or id(self)).encode()).hexdigest()[:12]
-            self.shm_writer = ShmWeightsWriter(weights_td(policy), default_path(tag), shm_slots)
+            self.shm_writer = ShmWeightsWriter(weights_td(policy), default_path(tag), shm_slots, device=shm_device)
 
     def publish(self, version: int, env_steps: int, finished: list[int], final: bool = False) -> None:
         """One weights message for `version` (`final`: the last one, re-sending the current version)."""

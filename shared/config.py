@@ -303,10 +303,12 @@ class LearnerConfig:
     Empty: one learner on `device`."""
     rank_digests: bool = False
     """Each learner rank logs a SHA-256 of its weights after every update (ranks/rank<r>.jsonl)."""
-    weights_transport: Literal["zmq", "shm"] = "zmq"
+    weights_transport: Literal["zmq", "shm", "cuda_ipc"] = "zmq"
     """How weights reach the actors. zmq: in the weights message (any host). shm: written once per
     version into a shared-memory ring on this host, the message carries only where (large models
-    with local actors; see shared/shm_weights.py)."""
+    with local actors; see shared/shm_weights.py). cuda_ipc: the same ring in the learner's device
+    memory, shared by CUDA IPC, for actors on this host whose devices are all CUDA: a version is
+    copied device to device, never through host memory."""
     shm_slots: Annotated[int, Range(ge=1)] = 3
     """shm: versions kept in the ring; an actor more than shm_slots - 1 versions behind re-reads."""
     curve_secret_key: str = ""
@@ -769,18 +771,27 @@ def _check(cfg: Config) -> list[str]:
         if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
             errors.append(f"actors.emulated_devices[{i}]: {name!r} is not a device name (1-64 letters, digits, "
                           f"'_', '.' or '-'; it names a lock file)")
-    if le.weights_transport == "shm" and a.weights_delay_s > 0:
-        errors.append("actors.weights_delay_s: a delay cannot be combined with learner.weights_transport \"shm\" "
-                      "(the shared-memory ring would be rewritten before a delayed version is loaded)")
+    ring_weights = le.weights_transport in ("shm", "cuda_ipc")
+    if ring_weights and a.weights_delay_s > 0:
+        errors.append(f"actors.weights_delay_s: a delay cannot be combined with learner.weights_transport "
+                      f"\"{le.weights_transport}\" (the ring would be rewritten before a delayed version is loaded)")
+    if le.weights_transport == "cuda_ipc":
+        not_cuda = [f"{key} {dev!r}" for key, dev in ([("learner.device", le.device), ("trainer.eval_device", t.eval_device)]
+                                                    + [(f"actors.devices[{i}]", d) for i, d in enumerate(a.devices)])
+                    if not str(dev).startswith("cuda")]
+        if not_cuda:
+            errors.append(f"learner.weights_transport \"cuda_ipc\": the learner, the evaluator and every actor must be "
+                          f"on CUDA (a CPU process would open a CUDA context only to copy the weights out), but "
+                          f"{', '.join(not_cuda)}; use \"shm\"")
     if a.weights_lag_versions:
         if t.buffer_type != "vla":
             errors.append(f"actors.weights_lag_versions: {a.weights_lag_versions} needs trainer.buffer_type \"vla\" "
                           f"(standard mode trains each version on its own data only)")
         if a.weights_delay_s > 0:
             errors.append("actors.weights_lag_versions / actors.weights_delay_s: choose one staleness knob")
-        if le.weights_transport == "shm":
-            errors.append("actors.weights_lag_versions: cannot be combined with learner.weights_transport \"shm\" "
-                          "(the ring keeps only learner.shm_slots versions)")
+        if ring_weights:
+            errors.append(f"actors.weights_lag_versions: cannot be combined with learner.weights_transport "
+                          f"\"{le.weights_transport}\" (the ring keeps only learner.shm_slots versions)")
     if a.rollout_transport == "ring":
         # the ring lives in this host's memory: refuse it wherever an actor could be on another host
         why = [w for w, bad in (

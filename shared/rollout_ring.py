@@ -70,7 +70,7 @@ import msgpack
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from shared.shm_weights import SHM_DIR, _align, _is_uint, _layout, map_untrusted
+from shared.shm_weights import SHM_DIR, _align, _is_uint, _layout, map_untrusted, open_cuda_handle, pack_cuda_handle
 from shared.wire import WireError
 
 MAGIC = 0x54414E44454D5252          # "TANDEMRR"
@@ -187,7 +187,7 @@ class RolloutRing(_Mapped):
         blob = b""
         if cuda:
             self._payload = torch.zeros(rings * slots * slot_bytes, dtype=torch.uint8, device=self.device)
-            blob = _pack_cuda_handle(self._payload)
+            blob = pack_cuda_handle(self._payload)
             if len(blob) > MAX_BLOB_BYTES:
                 raise RuntimeError(f"CUDA IPC handle of {len(blob)} bytes does not fit the ring file's header")
             self._buf[128:128 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -267,40 +267,6 @@ class RolloutRing(_Mapped):
             self._close_map()
 
 
-def _pack_cuda_handle(payload: torch.Tensor) -> bytes:
-    """The CUDA IPC handle of `payload`'s storage as msgpack (bytes and ints only)."""
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = payload.untyped_storage()._share_cuda_()
-    return msgpack.packb({"device": int(device), "handle": bytes(handle), "size": int(size),
-                          "offset": int(offset), "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
-                          "event_handle": bytes(event_handle) if event_handle else b"",
-                          "event_sync": bool(event_sync)}, use_bin_type=True)
-
-
-def _open_cuda_handle(blob: bytes, nbytes: int) -> torch.Tensor:
-    """The learner's CUDA payload, opened from its msgpack handle. Raises WireError."""
-    try:
-        h = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_bin_len=MAX_BLOB_BYTES, max_ext_len=0)
-        ok = (isinstance(h, dict) and all(isinstance(h.get(k), bytes) for k in ("handle", "ref_handle", "event_handle"))
-              and all(_is_uint(h.get(k), 1 << 62) for k in ("device", "size", "offset", "ref_offset"))
-              and isinstance(h.get("event_sync"), bool) and h["size"] == nbytes)
-    except Exception as e:
-        raise WireError(f"rollout ring: bad CUDA handle ({type(e).__name__})") from None
-    if not ok:
-        raise WireError(f"rollout ring: bad CUDA handle (fields, or a size other than {nbytes} bytes)")
-    try:
-        # The CUDA context first, as torch.multiprocessing does before opening a handle. On an H100
-        # (2026-11-27) a test's child that had not touched CUDA before attaching died of SIGSEGV
-        # here, while actors that had built their policy on the device attached fine.
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            h["device"], h["handle"], h["size"], h["offset"], h["ref_handle"], h["ref_offset"],
-            h["event_handle"] or None, h["event_sync"])
-    except Exception as e:
-        raise WireError(f"rollout ring: cannot open the learner's CUDA memory ({e})") from None
-    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
-
-
 def attach_producer(cfg, spec, with_value: bool, actor_id: int, path: str | None) -> RingProducer | None:
     """An actor's :class:`RingProducer` for ``actors.rollout_transport: "ring"`` (None with "zmq"),
     attached to the ring at `path` (from the learner's endpoints), for this run's rollout layout."""
@@ -365,7 +331,7 @@ class RingProducer(_Mapped):
         self._setup(mm, rings, slots, slot_bytes, cuda)
         self.nonce = words[_W_NONCE]
         if cuda:
-            self._payload = _open_cuda_handle(blob_all[:words[_W_BLOB]], rings * slots * slot_bytes)
+            self._payload = open_cuda_handle(blob_all[:words[_W_BLOB]], rings * slots * slot_bytes, "rollout ring")
         else:
             self._payload = self._buf[self._payload_off:]
         self._attach()

@@ -41,6 +41,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+import msgpack
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -52,6 +53,10 @@ CHUNK_BYTES = 8 << 20      # the writer publishes progress, and readers copy, in
 WAIT_S = 0.0002            # a reader's pause while the writer catches up (no busy spinning)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 MAX_LAYOUT_ENTRIES = 65_536      # tensors in one announcement (a policy's parameters and buffers)
+DEVICE_META_BYTES = 4096         # learner.weights_transport "cuda_ipc": the file's header before the slot headers
+DEVICE_MAGIC = 0x54414E44454D5744   # "TANDEMWD"
+DEVICE_FORMAT = 1
+MAX_DEVICE_SLOTS = 1 << 16
 MAX_SLOT_BYTES = 1 << 44         # 16 TiB: bounds the offsets before any arithmetic on them
 _FILE_NAME = re.compile(r"tandem-[A-Za-z0-9_-]+\.weights")   # what default_path makes; no dots, no slashes
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -80,6 +85,44 @@ def map_untrusted(path: str, what: str, size_for: Callable[[int, os.stat_result]
         raise WireError(f"{what} {path[:200]!r}: cannot map ({e})") from None
     finally:
         os.close(fd)
+
+
+MAX_BLOB_BYTES = 4096 - 128      # a msgpack CUDA IPC handle, inside a file's 4 KiB header
+
+
+def pack_cuda_handle(payload: torch.Tensor) -> bytes:
+    """The CUDA IPC handle of `payload`'s storage as msgpack (bytes and ints only, never pickle)."""
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+     event_sync) = payload.untyped_storage()._share_cuda_()
+    return msgpack.packb({"device": int(device), "handle": bytes(handle), "size": int(size),
+                          "offset": int(offset), "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
+                          "event_handle": bytes(event_handle) if event_handle else b"",
+                          "event_sync": bool(event_sync)}, use_bin_type=True)
+
+
+def open_cuda_handle(blob: bytes, nbytes: int, what: str) -> torch.Tensor:
+    """Another process's CUDA memory (`nbytes` of it), opened from its msgpack handle (`what` names
+    it in errors). Raises WireError."""
+    try:
+        h = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_bin_len=MAX_BLOB_BYTES, max_ext_len=0)
+        ok = (isinstance(h, dict) and all(isinstance(h.get(k), bytes) for k in ("handle", "ref_handle", "event_handle"))
+              and all(_is_uint(h.get(k), 1 << 62) for k in ("device", "size", "offset", "ref_offset"))
+              and isinstance(h.get("event_sync"), bool) and h["size"] == nbytes)
+    except Exception as e:
+        raise WireError(f"{what}: bad CUDA handle ({type(e).__name__})") from None
+    if not ok:
+        raise WireError(f"{what}: bad CUDA handle (fields, or a size other than {nbytes} bytes)")
+    try:
+        # The CUDA context first, as torch.multiprocessing does before opening a handle. On an H100
+        # (2026-11-27) a test's child that had not touched CUDA before attaching died of SIGSEGV
+        # here, while actors that had built their policy on the device attached fine.
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h["device"], h["handle"], h["size"], h["offset"], h["ref_handle"], h["ref_offset"],
+            h["event_handle"] or None, h["event_sync"])
+    except Exception as e:
+        raise WireError(f"{what}: cannot open the learner's CUDA memory ({e})") from None
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
 def _align(n: int) -> int:
@@ -118,6 +161,7 @@ class _Announcement(NamedTuple):
     slot: int
     slot_bytes: int
     entries: list[_Entry]
+    device: bool         # the payload is in the learner's device memory (CUDA IPC), not in the file
 
 
 def _is_uint(x: Any, limit: int) -> bool:
@@ -132,6 +176,9 @@ def _parse(meta: Any) -> _Announcement:
     if missing:
         raise WireError(f"shared-memory announcement lacks {missing}")
     file, slot, slot_bytes, layout = meta["shm"], meta["slot"], meta["slot_bytes"], meta["layout"]
+    device = meta.get("device", False)
+    if not isinstance(device, bool):
+        raise WireError(f"shared-memory announcement: 'device' must be true or false, got {str(device)[:40]!r}")
     if not (isinstance(file, str) and 0 < len(file) < 4096 and "\0" not in file):
         raise WireError(f"shared-memory announcement: 'shm' must be a file path, got {str(file)[:100]!r}")
     if not _is_uint(slot, 1 << 32):
@@ -162,7 +209,7 @@ def _parse(meta: Any) -> _Announcement:
     for path in paths:
         if any(path[:j] in paths for j in range(1, len(path))):
             raise WireError(f"shared-memory weights {'.'.join(path)[:100]}: key path runs through another tensor")
-    return _Announcement(file, slot, slot_bytes, entries)
+    return _Announcement(file, slot, slot_bytes, entries, device)
 
 
 def check_announcement(meta: Any, policy_weights: TensorDictBase) -> int:
@@ -201,30 +248,49 @@ def _check_layout(entries: list[tuple[tuple[str, ...], torch.dtype, list[int]]],
 
 
 class ShmWeightsWriter:
-    """The learner's side: a ring of `slots` copies of the weights in one shared-memory file."""
+    """The learner's side: a ring of `slots` copies of the weights in one shared-memory file.
 
-    def __init__(self, template: TensorDictBase, path: Path, slots: int = 3):
+    With `device` (``learner.weights_transport: "cuda_ipc"``) the copies live in that device's
+    memory instead, shared by CUDA IPC: the file then holds only a header (magic, format, slots,
+    payload bytes and the msgpack IPC handle) and the slot headers, and the same seqlock guards
+    each slot. Actors on the learner's host map the memory once and copy device to device."""
+
+    def __init__(self, template: TensorDictBase, path: Path, slots: int = 3, device: torch.device | str | None = None):
         self.layout, self.payload = _layout(template)
         self.slots, self.path = slots, Path(path)
         self.slot_bytes = HEADER_BYTES + self.payload
+        self.device = torch.device(device) if device is not None else None
+        file_bytes = self.slot_bytes * slots if self.device is None else DEVICE_META_BYTES + HEADER_BYTES * slots
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             try:   # reserve the memory now: a too-small /dev/shm fails here, clearly, not with SIGBUS later
-                os.posix_fallocate(fd, 0, self.slot_bytes * slots)
+                os.posix_fallocate(fd, 0, file_bytes)
             except OSError as e:
                 os.close(fd)
                 fd = -1
                 self.path.unlink(missing_ok=True)
-                raise OSError(f"{self.path}: cannot reserve {self.slot_bytes * slots / 2**20:.0f} MiB of shared "
+                raise OSError(f"{self.path}: cannot reserve {file_bytes / 2**20:.0f} MiB of shared "
                               f"memory for {slots} weight slots ({e.strerror}); enlarge /dev/shm or lower "
                               f"learner.shm_slots") from e
-            self._mm = mmap.mmap(fd, self.slot_bytes * slots)
+            self._mm = mmap.mmap(fd, file_bytes)
         finally:
             if fd >= 0:
                 os.close(fd)
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._headers = [self._buf[i * self.slot_bytes:i * self.slot_bytes + 24].view(torch.int64)
-                         for i in range(slots)]
+        self._dev: torch.Tensor | None = None
+        if self.device is None:
+            starts = [i * self.slot_bytes for i in range(slots)]
+        else:
+            self._dev = torch.zeros(slots * self.payload, dtype=torch.uint8, device=self.device)
+            blob = pack_cuda_handle(self._dev)
+            if len(blob) > MAX_BLOB_BYTES:
+                self.close()
+                raise RuntimeError(f"CUDA IPC handle of {len(blob)} bytes does not fit the weights file's header")
+            words = self._buf[:40].view(torch.int64)
+            words.copy_(torch.tensor([DEVICE_MAGIC, DEVICE_FORMAT, slots, self.payload, len(blob)]))
+            self._buf[64:64 + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            starts = [DEVICE_META_BYTES + i * HEADER_BYTES for i in range(slots)]
+        self._headers = [self._buf[a:a + 24].view(torch.int64) for a in starts]
         for h in self._headers:
             h.fill_(-1)
 
@@ -235,12 +301,26 @@ class ShmWeightsWriter:
         header = self._headers[slot]
         header[0] = version
         header[2] = 0
-        return {"shm": str(self.path), "slot": slot, "slot_bytes": self.slot_bytes, "layout": self.layout}
+        meta = {"shm": str(self.path), "slot": slot, "slot_bytes": self.slot_bytes, "layout": self.layout}
+        if self._dev is not None:
+            meta["device"] = True
+        return meta
 
     def write_body(self, td: TensorDictBase, version: int) -> None:
         """Copy `td` into the slot claimed by :meth:`begin`, advancing ``progress`` chunk by chunk."""
         slot = version % self.slots
         header = self._headers[slot]
+        if self._dev is not None:   # device to device in one go; the slot is whole once the copies are done
+            base = slot * self.payload
+            for path, _, _, offset in self.layout:
+                src = td.get(tuple(path)).detach().reshape(-1)
+                n = src.numel() * src.element_size()
+                self._dev[base + offset:base + offset + n].view(src.dtype).copy_(src)
+            if self._dev.device.type == "cuda":
+                torch.cuda.synchronize(self._dev.device)
+            header[2] = self.payload
+            header[1] = version
+            return
         base = slot * self.slot_bytes + HEADER_BYTES
         for path, _, _, offset in self.layout:
             src = td.get(tuple(path)).detach().reshape(-1)
@@ -259,7 +339,7 @@ class ShmWeightsWriter:
         return meta
 
     def close(self, unlink: bool = True) -> None:
-        del self._headers, self._buf
+        self._headers, self._buf, self._dev = [], None, None
         self._mm.close()
         if unlink:
             self.path.unlink(missing_ok=True)
@@ -276,9 +356,11 @@ class ShmWeightsReader:
         self._mm: mmap.mmap | None = None
         self._path: str | None = None
         self._buf: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None      # the learner's device payload ("cuda_ipc"), once opened
+        self._dev_slots = self._dev_payload = 0
 
-    def _map(self, path: str) -> None:
-        if self._path == path:
+    def _map(self, path: str, device: bool = False) -> None:
+        if self._path == path and (self._dev is not None) == device:
             return
         self.close()
 
@@ -294,12 +376,41 @@ class ShmWeightsReader:
         with warnings.catch_warnings():   # read-only on purpose: nothing here writes through it
             warnings.simplefilter("ignore", UserWarning)
             self._buf = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))
+        if device:
+            try:
+                self._open_device(path)
+            except WireError:
+                self.close()
+                raise
         self._path = path
+
+    def _open_device(self, path: str) -> None:
+        """The header of a "cuda_ipc" file, checked, and the learner's device memory it names."""
+        size = len(self._buf)
+        if size < DEVICE_META_BYTES:
+            raise WireError(f"shared-memory weights {path[:200]!r}: {size} bytes, too small for a device header")
+        magic, fmt, slots, payload, blob_len = (int(x) for x in self._buf[:40].view(torch.int64))
+        if magic != DEVICE_MAGIC or fmt != DEVICE_FORMAT:
+            raise WireError(f"shared-memory weights {path[:200]!r}: not a device-memory weights file (magic or "
+                            f"format)")
+        if not (0 < slots <= MAX_DEVICE_SLOTS and 0 <= payload <= MAX_SLOT_BYTES and 0 < blob_len <= MAX_BLOB_BYTES
+                and size == DEVICE_META_BYTES + slots * HEADER_BYTES):
+            raise WireError(f"shared-memory weights {path[:200]!r}: device header ({slots} slots, {payload} bytes "
+                            f"each, a {blob_len}-byte handle) does not fit its {size} bytes")
+        blob = self._buf[64:64 + blob_len].numpy().tobytes()
+        self._dev = open_cuda_handle(blob, slots * payload, "shared-memory weights")
+        self._dev_slots, self._dev_payload = slots, payload
 
     def _open(self, meta: Any) -> _Announcement:
         """Parse `meta`, map its file, and check that the slot lies inside it. Raises WireError."""
         ann = _parse(meta)
-        self._map(ann.file)
+        self._map(ann.file, ann.device)
+        if ann.device:
+            if ann.slot_bytes - HEADER_BYTES != self._dev_payload or ann.slot >= self._dev_slots:
+                raise WireError(f"shared-memory weights {ann.file[:200]!r}: slot {ann.slot} of {ann.slot_bytes} bytes, "
+                                f"but the device memory holds {self._dev_slots} slots of "
+                                f"{self._dev_payload + HEADER_BYTES}")
+            return ann
         size = len(self._buf)
         if size % ann.slot_bytes or (ann.slot + 1) * ann.slot_bytes > size:
             raise WireError(f"shared-memory weights {ann.file[:200]!r}: {size} bytes is not a whole number of "
@@ -307,16 +418,31 @@ class ShmWeightsReader:
         return ann
 
     def _header(self, ann: _Announcement) -> torch.Tensor:
-        start = ann.slot * ann.slot_bytes
+        start = DEVICE_META_BYTES + ann.slot * HEADER_BYTES if ann.device else ann.slot * ann.slot_bytes
         return self._buf[start:start + 24].view(torch.int64)
+
+    def _src(self, ann: _Announcement, e: _Entry) -> torch.Tensor:
+        """Entry `e` of the announced slot, flat: in the file, or in the learner's device memory."""
+        if ann.device:
+            base = ann.slot * self._dev_payload + e.offset
+            return self._dev[base:base + e.nbytes].view(e.dtype)
+        base = ann.slot * ann.slot_bytes + HEADER_BYTES + e.offset
+        return self._buf[base:base + e.nbytes].view(e.dtype)
+
+    def _settle(self, dst: TensorDictBase | None = None) -> None:
+        """Wait for this process's copies out of the device memory (before the seqlock's last check)."""
+        devices = {self._dev.device} if self._dev is not None and self._dev.device.type == "cuda" else set()
+        if dst is not None:
+            devices |= {t.device for t in dst.values(include_nested=True, leaves_only=True) if t.device.type == "cuda"}
+        for d in devices:
+            torch.cuda.synchronize(d)
 
     def views(self, meta: dict) -> TensorDict:
         """Zero-copy tensors over the slot `meta` names (valid until the slot is rewritten)."""
         ann = self._open(meta)
-        base = ann.slot * ann.slot_bytes + HEADER_BYTES
         out = TensorDict({}, batch_size=[])
         for e in ann.entries:
-            out.set(e.path, self._buf[base + e.offset:base + e.offset + e.nbytes].view(e.dtype).view(e.shape))
+            out.set(e.path, self._src(ann, e).view(e.shape))
         return out
 
     def slot_version(self, meta: dict) -> tuple[int, int]:
@@ -332,12 +458,11 @@ class ShmWeightsReader:
         ann = self._open(meta)
         _check_layout([e[:3] for e in ann.entries], dst)
         header = self._header(ann)
-        base = ann.slot * ann.slot_bytes + HEADER_BYTES
         deadline = time.monotonic() + timeout_s
         for e in ann.entries:
             target = dst.get(e.path)
             n, dt, offset = e.nbytes, e.dtype, e.offset
-            src = self._buf[base + offset:base + offset + n].view(dt)
+            src = self._src(ann, e)
             out = target.view(-1)
             step = max(1, CHUNK_BYTES // dt.itemsize)
             for i in range(0, target.numel(), step):
@@ -349,6 +474,8 @@ class ShmWeightsReader:
                 if int(header[0]) != version:
                     return False
                 out[i:i + step].copy_(src[i:i + step], non_blocking=True)
+        if ann.device:
+            self._settle(dst)
         return int(header[0]) == version
 
     def copy_into(self, load, meta: dict, version: int) -> bool:
@@ -357,10 +484,12 @@ class ShmWeightsReader:
         if self.slot_version(meta) != (version, version):
             return False
         load(self.views(meta))
+        self._settle()
         return self.slot_version(meta)[0] == version
 
     def close(self) -> None:
-        self._buf = None
+        self._buf = self._dev = None
+        self._dev_slots = self._dev_payload = 0
         if self._mm is not None:
             self._mm.close()
             self._mm = None
