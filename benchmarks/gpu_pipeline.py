@@ -15,7 +15,8 @@ Three parts, all in one run on one device, each printed as a table with ratios:
 2. **Pipeline** (``--pipeline``). Env steps per second of the same work (``tandem/Pendulum-v0``
    on the device, ``--actors`` actors of ``envs / actors`` envs, 2 by default) in one process (``python -m runners.serial``'s
    runner) and through ``launch/run_local.sh`` in standard and vla mode (vla also with the rollouts
-   through the same-host ring, ``vla_ring``: device memory by CUDA IPC), per minibatch size, in the
+   through the same-host ring, ``vla_ring``: device memory by CUDA IPC, and on CUDA with the weights
+   too, ``vla_ring_ipc``: ``learner.weights_transport: "cuda_ipc"``), per minibatch size, in the
    best ``learner.compile`` mode of part 1. Steady state: start-up (imports, building the envs and
    policies, the first rollout) is left out of both.
 3. **MuJoCo Warp** (``--warp``, needs CUDA and ``mujoco-warp``). HalfCheetah at mjlab's settings
@@ -194,14 +195,20 @@ def _serial_rate(raw: dict) -> dict:
     return {"env_steps": steps, "wall_s": t2 - t0, "sps": (steps - first) / max(t2 - t1, 1e-9)}
 
 
-# The launcher variants of part 2: (label, trainer.buffer_type, actors.rollout_transport).
-LAUNCHER_VARIANTS = (("standard", "standard", "zmq"), ("vla", "vla", "zmq"), ("vla_ring", "vla", "ring"))
+# The launcher variants of part 2: (label, trainer.buffer_type, actors.rollout_transport,
+# learner.weights_transport). "cuda_ipc" runs on CUDA only.
+LAUNCHER_VARIANTS = (("standard", "standard", "zmq", "zmq"), ("vla", "vla", "zmq", "zmq"),
+                     ("vla_ring", "vla", "ring", "zmq"), ("vla_ring_ipc", "vla", "ring", "cuda_ipc"))
 
 
-def _launcher_rate(raw: dict, label: str, buffer_type: str, transport: str, work: Path, timeout_s: float) -> dict:
+def _launcher_rate(raw: dict, label: str, buffer_type: str, transport: str, weights: str, work: Path,
+                   timeout_s: float) -> dict:
     raw = json.loads(json.dumps(raw))
     raw["trainer"]["buffer_type"] = buffer_type
     raw["actors"]["rollout_transport"] = transport
+    raw["learner"]["weights_transport"] = weights
+    if weights == "cuda_ipc":
+        raw["trainer"]["eval_device"] = raw["learner"]["device"]
     path = work / f"{label}_{raw['algorithm']['cfg']['batch_size']}.json"
     path.write_text(json.dumps(raw))
     run_dir = work / path.stem
@@ -246,9 +253,11 @@ def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
             raw = run_config(str(device), args.envs, args.steps, args.epochs, mb, args.hidden, mode, args.total_steps,
                              args.actors)
             row = {"minibatch": mb, "mode": mode, "actors": args.actors, "serial": _serial_rate(raw)}
-            for label, buffer_type, transport in LAUNCHER_VARIANTS:
+            for label, buffer_type, transport, weights in LAUNCHER_VARIANTS:
+                if weights == "cuda_ipc" and device.type != "cuda":
+                    continue
                 try:
-                    row[label] = _launcher_rate(raw, label, buffer_type, transport, Path(tmp), args.timeout)
+                    row[label] = _launcher_rate(raw, label, buffer_type, transport, weights, Path(tmp), args.timeout)
                     row[f"{label}_over_serial"] = row[label]["sps"] / row["serial"]["sps"]
                 except BenchmarkError as e:
                     row[label] = {"error": str(e)[-600:]}
