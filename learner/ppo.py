@@ -194,10 +194,11 @@ class PPO:
         self.correction = make_correction(cfg, CurrentPolicy(policy, device), count)
         self._renormalize, self._refresh = True, None
         self._update_cfg = cfg   # the trust correction's per-update clip and KL budget
-        if cfg.correction == "trust" and step is not None:
-            log.info("algorithm.cfg.correction \"trust\" changes the clip every update: learner.compile runs "
-                     "the eager loop")
-            self.step = None
+        # trust with learner.compile "compile" or "graph": the clip changes every update, so the loss
+        # reads it from a device tensor filled in place (as the learning rate is), never a constant
+        # baked into the compiled code or the captured graph. The KL budget is read on the host.
+        self._clip = (torch.tensor(float(cfg.clip_coef), device=device)
+                      if cfg.correction == "trust" and step is not None else None)
 
     def observe(self, actor: int, reward: torch.Tensor, done: torch.Tensor) -> None:
         """A received rollout's rewards (any thread): the reward scaler's running statistics."""
@@ -222,6 +223,9 @@ class PPO:
         if self.cfg.correction == "trust":
             self._update_cfg = self.correction.update_config(self.cfg, float(lags.float().mean()))
             stats.update({"trust_clip": self._update_cfg.clip_coef, "trust_kl": self._update_cfg.target_kl})
+            if self._clip is not None:
+                self._clip.fill_(self._update_cfg.clip_coef)
+                self._update_cfg = replace(self._update_cfg, clip_coef=self._clip)
         return stats
 
     def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:

@@ -205,20 +205,27 @@ def test_modes_are_resolved_with_the_reason_for_a_fallback():
     assert mode == "off" and "DDP" in why
 
 
-def test_a_learner_in_graph_mode_trains_what_an_eager_learner_trains(tmp_path):
-    """The whole learner (vla mode, vtrace refreshed before every epoch, annealed learning rate)
-    with learner.compile "graph" on the CPU: the same weights as "off" after three updates."""
+@pytest.mark.parametrize("correction", ["vtrace", "trust"])
+def test_a_learner_in_graph_mode_trains_what_an_eager_learner_trains(tmp_path, correction):
+    """The whole learner (vla mode, the correction refreshed before every epoch, annealed learning
+    rate) with learner.compile "graph" on the CPU: the same weights as "off" after three updates.
+    trust changes its clip with every update's lag: in graph mode the loss reads it from a device
+    tensor (float32, where eager keeps the Python float), so the two agree to rounding, not bits."""
     from learner.learner import make_algorithm
     from tests.test_staleness import _vla_learner, _weights_after_stale_updates
-    weights = []
+    weights, clips = [], []
     for mode in ("off", "graph"):
-        cfg, learner = _vla_learner(tmp_path / mode, correction="vtrace", advantages_every="epoch", n_epochs=3)
+        cfg, learner = _vla_learner(tmp_path / mode, correction=correction, advantages_every="epoch", n_epochs=3)
         cfg.learner.compile = mode   # read when the algorithm is made: rebuild it
         learner.algorithm = make_algorithm(cfg, learner.spec, learner.policy, learner.optimizer, learner.generator,
                                            learner.device, learner.k, learner.stats.count, learner.cpu)
         assert (learner.algorithm.step is None) == (mode == "off")
         weights.append(_weights_after_stale_updates(cfg, learner, 3))
-    _assert_close_states(weights[0], weights[1], 0)
+        clips.append(learner.algorithm._update_cfg.clip_coef)
+    if correction == "trust":
+        assert torch.is_tensor(clips[1]) and float(clips[1]) == pytest.approx(clips[0])
+        assert clips[0] < cfg.algorithm.cfg.clip_coef               # the lag shrank it
+    _assert_close_states(weights[0], weights[1], 0 if correction == "vtrace" else 1e-5)
 
 
 @pytest.mark.slow
