@@ -261,3 +261,26 @@ def test_graph_mode_equals_eager_on_the_device(form):
     assert [s["steps"] for s in s0] == [s["steps"] for s in s1] == [15, 15, 15]
     for k in w0:
         torch.testing.assert_close(w0[k], w1[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("correction", ["vtrace", "trust"])
+def test_a_learner_in_graph_mode_on_the_device_trains_what_eager_trains(tmp_path, correction):
+    """The whole learner on the device (vla mode, stale data, the correction refreshed before every
+    epoch), learner.compile "graph" against "off": on CUDA the step is captured, and trust's clip,
+    which changes with every update's lag, reaches the captured graph through its device tensor."""
+    from learner.logs import RunLogger
+    from tests.test_staleness import _weights_after_stale_updates
+    weights = []
+    for mode in ("off", "graph"):
+        cfg = on(small_config(buffer_type="vla", max_policy_lag=3, buffer_capacity=8))
+        cfg.algorithm.cfg.correction, cfg.algorithm.cfg.advantages_every, cfg.algorithm.cfg.n_epochs = correction, "epoch", 3
+        cfg.learner.compile = mode
+        run = tmp_path / mode
+        run.mkdir()
+        learner = Learner(cfg, run, ListPublisher(), logger=RunLogger(run, use_tensorboard=False))
+        learner.publish()
+        weights.append({k: v.cpu() for k, v in _weights_after_stale_updates(cfg, learner, 3).items()})
+        if mode == "graph" and DEV.startswith("cuda"):
+            assert learner.algorithm.step is not None and learner.algorithm.step.capture
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k], weights[1][k], atol=1e-5, rtol=1e-4, msg=k)
