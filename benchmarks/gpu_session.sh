@@ -8,7 +8,8 @@
 # TANDEM_GPU_STEPS picks steps by name (default: all but reach-long, in the order below).
 # OUTDIR gets log.txt (everything printed), vla_weights.json and runs.tgz (each run's summary.json,
 # logs and TensorBoard events). A .whl/ folder in the repository root, if any, is installed first
-# into /tmp/site (wheels carried to a machine that has no package registry). Python: $TANDEM_PYTHON,
+# into /tmp/site (wheels carried to a machine that has no package registry; benchmarks/gpu_wheels.sh
+# downloads the ones the lent machines lack: tensordict, pyzmq, gymnasium, mujoco and their needs). Python: $TANDEM_PYTHON,
 # else python3; the project is used from this checkout (PYTHONPATH), not installed.
 #
 # Steps, in order of what matters most:
