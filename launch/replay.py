@@ -72,6 +72,15 @@ def _infos(entry: dict, data: TensorDict) -> list[dict]:
     return infos
 
 
+def inexact_reason(cfg) -> str | None:
+    """Why replaying this run's record cannot reproduce its weights bit for bit (None: it can)."""
+    if cfg.learner.torch_threads == "idle" and torch.device(cfg.learner.device).type == "cpu":
+        return ("the run used learner.torch_threads \"idle\": its update widened its intra-op threads while the "
+                "actors idled, and CPU float sums depend on the thread count, so this replay trains on the same "
+                "data but does not reproduce the run's weights bit for bit (record with a fixed torch_threads for that)")
+    return None
+
+
 def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | None = None,
            max_updates: int | None = None, progress: bool = False) -> Learner:
     """Retrain on `run_dir`'s record; returns the learner after the last replayed update."""
@@ -80,6 +89,9 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
     if not config_path.is_file():
         raise ReplayError(f"{config_path}: not found (not a Tandem run directory?)")
     cfg = load_config(config_path, overrides or [])
+    why = inexact_reason(load_config(config_path))
+    if why is not None:
+        print(f"[replay] {run_dir}: {why}", file=sys.stderr, flush=True)
     cfg.trainer.record = False
     cfg.learner.weights_transport = "zmq"       # nobody listens: no shared-memory ring
     record_dir = run_dir / "record"

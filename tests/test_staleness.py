@@ -416,3 +416,15 @@ def test_weights_lag_versions_acts_a_constant_number_of_versions_behind():
     pub.published.append((td.clone(), {**meta, "version": 1, "incarnation": "another-life"}))
     assert actor.step_once()
     assert sink.messages[-1][1]["policy_version"] == 1 and actor.incarnation == "another-life"
+
+
+def test_replay_says_when_a_record_cannot_be_reproduced_bit_for_bit():
+    """learner.torch_threads "idle" widens the update's threads while the actors idle; CPU float sums
+    depend on the thread count, so such a record replays on the same data but not to the same bits
+    (measured: a 16k-step HalfCheetah run replayed bit for bit with torch_threads 1, not with "idle")."""
+    from shared.config import load_config
+    idle = load_config(ROOT / "configs" / "halfcheetah_ppo.json")
+    assert idle.learner.torch_threads == "idle"
+    assert "not reproduce the run's weights bit for bit" in replay_tool.inexact_reason(idle)
+    fixed = load_config(ROOT / "configs" / "halfcheetah_ppo.json", ["learner.torch_threads=1"])
+    assert replay_tool.inexact_reason(fixed) is None
