@@ -72,12 +72,35 @@ def _infos(entry: dict, data: TensorDict) -> list[dict]:
     return infos
 
 
-def inexact_reason(cfg) -> str | None:
+def read_threads(record_dir: Path) -> dict[int, list[int]]:
+    """``record/threads.jsonl``: per update, the intra-op threads of each of its minibatches (a run
+    with ``learner.torch_threads: "idle"``); empty when the record has none."""
+    path = Path(record_dir) / "threads.jsonl"
+    out: dict[int, list[int]] = {}
+    if not path.is_file():
+        return out
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            entry = json.loads(line)
+            runs = entry["threads"]
+            if not (isinstance(entry["update"], int) and isinstance(runs, list)
+                    and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and x >= 1 for x in r)
+                            for r in runs)):
+                raise ValueError("not {update: int, threads: [[threads, count], ...]}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ReplayError(f"{path}:{n}: {e}") from None
+        out[entry["update"]] = [t for t, count in runs for _ in range(count)]
+    return out
+
+
+def inexact_reason(cfg, record_dir: Path | None = None) -> str | None:
     """Why replaying this run's record cannot reproduce its weights bit for bit (None: it can)."""
-    if cfg.learner.torch_threads == "idle" and torch.device(cfg.learner.device).type == "cpu":
-        return ("the run used learner.torch_threads \"idle\": its update widened its intra-op threads while the "
-                "actors idled, and CPU float sums depend on the thread count, so this replay trains on the same "
-                "data but does not reproduce the run's weights bit for bit (record with a fixed torch_threads for that)")
+    if (cfg.learner.torch_threads == "idle" and torch.device(cfg.learner.device).type == "cpu"
+            and not (record_dir is not None and (Path(record_dir) / "threads.jsonl").is_file())):
+        return ("the run used learner.torch_threads \"idle\" and its record has no threads.jsonl (recorded before "
+                "2026-11-27): its update widened its intra-op threads while the actors idled, and CPU float sums "
+                "depend on the thread count, so this replay trains on the same data but does not reproduce the "
+                "run's weights bit for bit")
     return None
 
 
@@ -89,7 +112,7 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
     if not config_path.is_file():
         raise ReplayError(f"{config_path}: not found (not a Tandem run directory?)")
     cfg = load_config(config_path, overrides or [])
-    why = inexact_reason(load_config(config_path))
+    why = inexact_reason(load_config(config_path), run_dir / "record")
     if why is not None:
         print(f"[replay] {run_dir}: {why}", file=sys.stderr, flush=True)
     cfg.trainer.record = False
@@ -101,6 +124,7 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
                           f"(a resumed run): replaying it from fresh weights would not be the same training")
     if max_updates is not None:
         entries = entries[:max_updates]
+    threads = read_threads(record_dir)
     torch.set_num_threads(learner_threads(cfg))   # as the learner process: same float sums, same bits
     logger = None
     if out_dir is not None:
@@ -120,6 +144,8 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
             raise ReplayError(f"{record_dir / 'index.jsonl'}: update {entry['update']} has version "
                               f"{entry['version']}, before the previous one ({learner.version})")
         learner.version = entry["version"]       # a resumed run's record starts later
+        if learner.cpu.idle_threads is not None and entry["update"] in threads:
+            learner.cpu.replay_schedule = list(threads[entry["update"]])   # the run's threads, minibatch by minibatch
         learner.update_once(data, _infos(entry, data), reward_std=entry.get("reward_std"))
         learner.publisher.published.clear()      # nobody listens; keep memory flat
         if progress and (n % 50 == 0 or n == len(entries)):

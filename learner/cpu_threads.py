@@ -106,12 +106,18 @@ class CpuThreads:
         # next batch already waits (the actors idle; in standard mode they always do)
         self.idle_threads = idle_threads(cfg)
         self._minibatches = self._wide_minibatches = 0
+        # the intra-op threads of each minibatch of the current update, as [threads, count] runs: a
+        # record keeps them (CPU float sums depend on the thread count), and a replay sets
+        # `replay_schedule` to run the update's minibatches on the same threads
+        self.schedule: list[list[int]] = []
+        self.replay_schedule: list[int] | None = None
 
     @contextmanager
     def update(self):
         """Around one update: yields the ``before_minibatch`` hook (None unless ``torch_threads``
         is "idle"), and leaves one intra-op thread behind, so the actors may collect again."""
         self._minibatches = self._wide_minibatches = 0
+        self.schedule = []
         widen = self.before_minibatch if self.idle_threads is not None else None
         try:
             yield widen
@@ -122,12 +128,20 @@ class CpuThreads:
     def before_minibatch(self) -> None:
         """``learner.torch_threads`` "idle": every usable core while the next batch already waits,
         else one thread. Resizing the thread pool has a cost, so only a change of state switches."""
-        wide = self.batch_waiting()
-        threads = self.idle_threads if wide else 1
+        if self.replay_schedule:
+            threads = self.replay_schedule.pop(0)
+            wide = threads != 1
+        else:
+            wide = self.batch_waiting()
+            threads = self.idle_threads if wide else 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self._minibatches += 1
         self._wide_minibatches += wide
+        if self.schedule and self.schedule[-1][0] == threads:
+            self.schedule[-1][1] += 1
+        else:
+            self.schedule.append([threads, 1])
 
     def wide_share(self) -> float:
         """The share of this update's minibatches that ran on every core."""

@@ -263,6 +263,8 @@ class Learner:
             self.recorder.write(data, infos, reward_std, self.updates + 1, self.version)
         flat = data.to(self.device).reshape(-1, data.shape[-1])   # [k*N, T]; GRPO groups stay within a rollout
         stats = self._train(flat, lags, reward_std)
+        if self.recorder is not None and self.cpu.idle_threads is not None:
+            self.recorder.write_threads(self.updates + 1, self.cpu.schedule)
         self.skips.note(stats, self.updates + 1, self.version)
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.

@@ -28,3 +28,9 @@ class BatchRecorder:
                                                  "env_steps")} for i in infos]}
         with open(self.directory / "index.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
+
+    def write_threads(self, update: int, schedule: list[list[int]]) -> None:
+        """After `update`: the intra-op threads its minibatches ran on, as ``[threads, count]`` runs
+        (``learner.torch_threads: "idle"`` only; CPU float sums depend on the thread count)."""
+        with open(self.directory / "threads.jsonl", "a") as f:
+            f.write(json.dumps({"update": update, "threads": schedule}) + "\n")

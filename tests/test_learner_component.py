@@ -563,11 +563,19 @@ def test_torch_threads_idle_widens_only_the_minibatches_taken_while_the_next_bat
             stats = learner.update_once(*batch)
             assert seen == ([] if waiting == 0 else [3, 1]), (waiting, seen)   # switched once each way
             assert stats["idle_threads_share"] == (0.0 if waiting == 0 else 1.0)
+            # the threads of each minibatch, as [threads, count] runs: what a record keeps
+            assert len(learner.cpu.schedule) == 1 and learner.cpu.schedule[0][0] == (1 if waiting == 0 else 3)
         cfg.trainer.buffer_type = "standard"
         std = Learner(cfg, run_dir=None, publisher=ListPublisher())
         seen.clear()
         std.cpu.before_minibatch()
         assert seen == [3]
+        # a replay gives the recorded threads, minibatch by minibatch, whatever the actors do now
+        std.cpu.replay_schedule, std.cpu.schedule = [1, 3, 3], []
+        seen[:] = [3]                                           # running wide now
+        for _ in range(3):
+            std.cpu.before_minibatch()
+        assert seen == [3, 1, 3] and std.cpu.schedule == [[1, 1], [3, 2]] and std.cpu.replay_schedule == []
     finally:
         set_threads(1)
 

@@ -264,12 +264,14 @@ def test_record_replay_report_on_a_real_run(tmp_path):
     cmd = ["bash", str(ROOT / "launch" / "run_local.sh"), "--steps", "6000", "--out", str(run), "--record",
            "--set", "trainer.buffer_type=vla", "--set", "actors.sync_every=3", "--set", "trainer.max_policy_lag=20",
            "--set", "trainer.lag_policy=pace", "--set", "algorithm.cfg.correction=vtrace",
-           "--set", "trainer.eval_freq=2000", "--set", "algorithm.cfg.n_epochs=2"]
+           "--set", "trainer.eval_freq=2000", "--set", "algorithm.cfg.n_epochs=2",
+           "--set", "learner.torch_threads=idle"]   # threads widened while the actors idle: recorded, replayed
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, start_new_session=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     index = replay_tool.read_index(run / "record")
     consumed = [x for x in read_jsonl(run / "versions.jsonl") if x["event"] == "consume"]
     assert sum(len(e["rollouts"]) for e in index) == len(consumed) > 0
+    assert len(replay_tool.read_threads(run / "record")) == len(index)
     first = replay_tool.replay(run)
     second = replay_tool.replay(run)
     digest = replay_tool.weights_digest(first.policy)
@@ -418,13 +420,24 @@ def test_weights_lag_versions_acts_a_constant_number_of_versions_behind():
     assert sink.messages[-1][1]["policy_version"] == 1 and actor.incarnation == "another-life"
 
 
-def test_replay_says_when_a_record_cannot_be_reproduced_bit_for_bit():
-    """learner.torch_threads "idle" widens the update's threads while the actors idle; CPU float sums
-    depend on the thread count, so such a record replays on the same data but not to the same bits
-    (measured: a 16k-step HalfCheetah run replayed bit for bit with torch_threads 1, not with "idle")."""
+def test_replay_reads_the_recorded_threads_and_says_when_it_has_none(tmp_path):
+    """learner.torch_threads "idle" widens the update's threads while the actors idle, and CPU float
+    sums depend on the thread count: a record keeps each minibatch's threads (threads.jsonl) and the
+    replay uses them; a record without them (older runs) replays on the same data, not to the same
+    bits, and says so. Malformed lines name the file and line."""
     from shared.config import load_config
     idle = load_config(ROOT / "configs" / "halfcheetah_ppo.json")
     assert idle.learner.torch_threads == "idle"
-    assert "not reproduce the run's weights bit for bit" in replay_tool.inexact_reason(idle)
+    record = tmp_path / "record"
+    record.mkdir()
+    assert "not reproduce the run's weights bit for bit" in replay_tool.inexact_reason(idle, record)
+    (record / "threads.jsonl").write_text('{"update": 1, "threads": [[2, 3], [1, 2]]}\n'
+                                          '{"update": 2, "threads": [[1, 1]]}\n')
+    assert replay_tool.inexact_reason(idle, record) is None
+    assert replay_tool.read_threads(record) == {1: [2, 2, 2, 1, 1], 2: [1]}
     fixed = load_config(ROOT / "configs" / "halfcheetah_ppo.json", ["learner.torch_threads=1"])
     assert replay_tool.inexact_reason(fixed) is None
+    for bad in ('{"update": 3, "threads": [[0, 1]]}', '{"update": 3}', "not json", '{"update": "3", "threads": []}'):
+        (record / "threads.jsonl").write_text(bad + "\n")
+        with pytest.raises(replay_tool.ReplayError, match=r"threads.jsonl:1"):
+            replay_tool.read_threads(record)
