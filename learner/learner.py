@@ -142,6 +142,7 @@ class Learner:
         self.evals: "queue.Queue[dict]" = queue.Queue(maxsize=64)   # results from the evaluator
         self.update_log = UpdateLog(cfg, self.stats, logger)   # metrics of each update and evaluation
         self.accepting = True          # False once the run's env steps are all in (LearnerRun._drain)
+        self.budget_closes_intake = False   # LearnerRun sets it for a lone learner process (_accepting)
         # Asked between minibatches: True (a stop signal; LearnerRun sets it) cuts the update short, so
         # that a long update does not hold up shutdown. One rank only: DDP ranks take the same steps.
         self.stop_requested: Callable[[], bool] | None = None
@@ -153,7 +154,7 @@ class Learner:
                                       shm_device=self.device if cfg.learner.weights_transport == "cuda_ipc" else None)
         self.publish_times, self.shm_writer = self.weights_out.publish_times, self.weights_out.shm_writer
         self.intake = Intake(cfg, self.spec, self.template, self.stats, store=self._store,
-                             version=lambda: self.version, accepting=lambda: self.accepting,
+                             version=lambda: self.version, accepting=self._accepting,
                              publish_times=self.publish_times, evals=self.evals, logger=self.logger,
                              base_digest=self.base_digest, incarnation=self.incarnation)
 
@@ -390,6 +391,14 @@ class Learner:
         self.algorithm.load_state_dict(state)
         log.info("resumed from %s: version %d, %d env steps", path, self.version, self.env_steps)
         return path
+
+    def _accepting(self) -> bool:
+        """Whether the intake may still take rollouts. With ``budget_closes_intake`` (a lone learner
+        process) it stops taking them the moment the env steps reach the budget: asked by the receiver
+        thread, the only one that counts them, so a rollout arriving before the loop sees the run
+        finished is neither counted nor stored. DDP ranks decide the end together (``_agree``) and the
+        serial runner decides its own, so they stop only at ``accepting``."""
+        return self.accepting and not (self.budget_closes_intake and self.finished)
 
     @property
     def finished(self) -> bool:

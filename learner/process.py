@@ -120,6 +120,7 @@ class LearnerRun:
                                discard=discard, ranks=self.ranks)
         self.learner.curve = self.curve
         self.learner.stop_requested = self.stop.is_set   # a signal cuts a long update short
+        self.learner.budget_closes_intake = self.ranks is None   # no rollout past trainer.total_steps
         self._bind_receivers()
         self.ring = open_rollout_ring(self.cfg, self.learner, self.run_dir)
         self._write_endpoints()

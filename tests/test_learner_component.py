@@ -453,6 +453,23 @@ def test_the_learner_trains_every_full_batch_received_before_it_stops():
     assert learner.updates == 3
 
 
+def test_a_lone_learner_process_takes_no_rollout_past_the_budget_before_its_loop_looks():
+    """The receiver thread closes the intake itself when the env steps reach trainer.total_steps, so
+    a rollout that arrives before the loop sees the run finished is neither counted nor stored (CI
+    once saw 4352 env steps received for a 4096-step run). The serial runner keeps deciding its own end."""
+    cfg = small_config(buffer_type="vla", total_steps=2 * 64, max_policy_lag=8, buffer_capacity=8)
+    learner, pub, sink, actor = wired(cfg)
+    learner.budget_closes_intake = True                  # as LearnerRun sets it for one rank
+    for _ in range(3):
+        assert actor.step_once()
+        learner.ingest(*sink.messages[-1])
+    assert learner.env_steps == 2 * 64 and len(learner.buffer) == 2 and learner.counts["rollouts"] == 2
+    assert learner.accepting                             # the loop has not looked yet
+    learner.budget_closes_intake = False                 # the serial runner: it stops where it chooses
+    learner.ingest(*sink.messages[-1])
+    assert learner.env_steps == 3 * 64 and len(learner.buffer) == 3
+
+
 def test_critic_thread_resolves_where_it_applies_and_has_a_core(monkeypatch):
     from learner.learner import Learner, ListPublisher, uses_critic_thread
     from shared.policies import make_policy
