@@ -116,18 +116,22 @@ def _is_int(x: Any) -> bool:
 
 class RequestChecker:
     """What a request must be: a wire message of kind "act" or "value" from an actor this server
-    serves, observations exactly of the env's schema for 1..num_envs envs, finite."""
+    serves, observations exactly of the env's schema for 1..num_envs envs, finite. Checked on the
+    decoded leaves: a TensorDict per request is built only for multi-modal observations."""
 
     def __init__(self, spec: EnvSpec, num_envs: int, actors: list[int]):
         self.num_envs, self.actors = num_envs, set(actors)
         one = rollout_template(spec, 1, 1, with_value=False)[keys.OBS][:, 0]
-        self.expected = ({k: (v.shape[1:], v.dtype) for k, v in one.items(include_nested=True, leaves_only=True)}
-                         if isinstance(one, TensorDictBase) else {(): (one.shape[1:], one.dtype)})
+        self.nested = isinstance(one, TensorDictBase)
+        obs_leaves = ({(keys.OBS, *(k if isinstance(k, tuple) else (k,))): v
+                       for k, v in one.items(include_nested=True, leaves_only=True)}
+                      if self.nested else {(keys.OBS,): one})
+        self.expected = {path: (tuple(v.shape[1:]), v.dtype) for path, v in obs_leaves.items()}
         self.max_bytes = sum(math.prod(s) * d.itemsize for s, d in self.expected.values()) * num_envs + (1 << 20)
 
     def check(self, route: bytes, frames: list) -> Request:
         """The request in `frames`; raises :class:`wire.WireError` naming what is wrong."""
-        td, meta = wire.decode(frames, max_message_bytes=self.max_bytes)
+        batch, leaves, meta = wire.decode_leaves(frames, max_message_bytes=self.max_bytes)
         kind, actor, rid = meta.get("kind"), meta.get("actor"), meta.get("id")
         if kind not in ("act", "value"):
             raise wire.WireError(f"request of kind {kind!r}: the inference server takes 'act' or 'value'")
@@ -139,26 +143,31 @@ class RequestChecker:
         min_version = meta.get("min_version", -1)
         if not _is_int(min_version) or min_version < -1:
             raise wire.WireError(f"'min_version' must be an int >= -1, got {min_version!r}")
-        if len(td.batch_size) != 1 or not 1 <= td.batch_size[0] <= self.num_envs:
-            raise wire.WireError(f"batch size {list(td.batch_size)}: must be [n] with 1 <= n <= {self.num_envs} "
+        if len(batch) != 1 or not 1 <= batch[0] <= self.num_envs:
+            raise wire.WireError(f"batch size {batch}: must be [n] with 1 <= n <= {self.num_envs} "
                                  f"(actors.num_envs)")
-        n = td.batch_size[0]
-        if set(td.keys()) != {keys.OBS}:
-            raise wire.WireError(f"a request carries only {keys.OBS!r}, got {sorted(map(str, td.keys()))}")
-        obs = td.get(keys.OBS)
-        got = ({k: (v.shape[1:], v.dtype) for k, v in obs.items(include_nested=True, leaves_only=True)}
-               if isinstance(obs, TensorDictBase) else {(): (obs.shape[1:], obs.dtype)})
+        n = batch[0]
+        tops = {p[0] for p in leaves}
+        if tops != {keys.OBS}:
+            raise wire.WireError(f"a request carries only {keys.OBS!r}, got {sorted(tops)}")
+        got = {path: (tuple(t.shape[1:]), t.dtype) for path, t in leaves.items()}
         if got != self.expected:
             raise wire.WireError(f"observation {_describe(got)} does not match the env's {_describe(self.expected)}")
-        leaves = obs.values(include_nested=True, leaves_only=True) if isinstance(obs, TensorDictBase) else [obs]
-        for t in leaves:
+        for t in leaves.values():
             if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
                 raise wire.WireError("observation holds NaN or inf")
-        return Request(route, actor, rid, kind, obs, n, min_version)   # decode copied it out of the frame
+        if self.nested:
+            obs = TensorDict({}, batch_size=[n])
+            for path, t in leaves.items():
+                obs.set(path[1:] if len(path) > 2 else path[1], t)
+        else:
+            obs = leaves[(keys.OBS,)]
+        return Request(route, actor, rid, kind, obs, n, min_version)   # aliases the frame, ours alone
 
 
 def _describe(entries: dict) -> str:
-    return ", ".join(f"{k or 'obs'}: {d} {list(s)}" for k, (s, d) in sorted(entries.items(), key=lambda e: str(e[0])))
+    return ", ".join(f"{'/'.join(k[1:]) or 'obs'}: {d} {list(s)}"
+                     for k, (s, d) in sorted(entries.items(), key=lambda e: str(e[0])))
 
 
 # ---------------------------------------------------------------------------------------- server
@@ -304,12 +313,13 @@ class InferenceServer:
                 outs = {k: out[k] for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE) if k in out.keys()}
             else:
                 outs = {keys.VALUE: self.policy.get_value(td)}
+            outs = {k: v.cpu() for k, v in outs.items()}
             start = 0
             for r in reqs:
-                part = TensorDict({k: v[start:start + r.n].cpu() for k, v in outs.items()}, batch_size=[r.n])
+                part = [((k,), v[start:start + r.n]) for k, v in outs.items()]
                 start += r.n
-                frames = wire.encode(part, kind="reply", id=r.rid, version=version, incarnation=incarnation,
-                                     received=received)
+                frames = wire.encode_leaves([r.n], part, kind="reply", id=r.rid, version=version,
+                                            incarnation=incarnation, received=received)
                 try:
                     self.sock.send_multipart([r.route, *frames], flags=zmq.NOBLOCK)
                     self.counts["replies"] += 1
@@ -434,11 +444,15 @@ class RemotePolicy:
     def _ask(self, kind: str, td: TensorDictBase) -> tuple[TensorDict, dict]:
         self._rid += 1
         rid = self._rid
-        req = TensorDict({keys.OBS: td.get(keys.OBS)}, batch_size=[td.batch_size[0]])
+        n = td.batch_size[0]
+        obs = td.get(keys.OBS)
+        leaves = ([((keys.OBS, *(k if isinstance(k, tuple) else (k,))), v)
+                   for k, v in obs.items(include_nested=True, leaves_only=True)]
+                  if isinstance(obs, TensorDictBase) else [((keys.OBS,), obs)])
         meta = {"kind": kind, "actor": self.actor_id, "id": rid}
         if kind == "act" and self.min_version >= 0:
             meta["min_version"] = self.min_version
-        frames = wire.encode(req.cpu() if req.device is not None and req.device.type != "cpu" else req, **meta)
+        frames = wire.encode_leaves([n], leaves, **meta)     # the codec copies device tensors to the CPU
         deadline = time.monotonic() + self.timeout_s
         sent_to = None
         while True:
@@ -464,15 +478,15 @@ class RemotePolicy:
                 continue
             reply = self.sock.recv_multipart(copy=False)
             try:
-                out, rmeta = wire.decode(reply)
+                batch, outs, rmeta = wire.decode_leaves(reply)
             except wire.WireError as e:
                 log.warning("actor %d: a malformed reply from the inference server: %s", self.actor_id, e)
                 continue
             if rmeta.get("id") != rid:
                 continue                          # the answer to a request we sent before a restart
             version = rmeta.get("version")
-            if not (_is_int(version) and version >= 0) or out.batch_size[0] != td.batch_size[0]:
-                log.warning("actor %d: a reply without a valid version or of the wrong size", self.actor_id)
+            if not (_is_int(version) and version >= 0) or batch != [n] or any(len(p) != 1 for p in outs):
+                log.warning("actor %d: a reply without a valid version, of the wrong size or nested", self.actor_id)
                 continue
             incarnation = rmeta.get("incarnation") if isinstance(rmeta.get("incarnation"), str) else None
             received = rmeta.get("received")
@@ -480,7 +494,8 @@ class RemotePolicy:
             if version != self.version or incarnation != self.incarnation:   # the first action with it
                 self.synced.append([version, received, time.time()])
             self.version, self.incarnation, self.received_at = version, incarnation, received
-            return out.clone(), rmeta
+            # the tensors alias the received frames, which are ours alone (no copy needed)
+            return TensorDict({p[0]: t for p, t in outs.items()}, batch_size=[n]), rmeta
 
     def close(self) -> None:
         if self.sock is not None:
@@ -614,4 +629,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from shared.teardown import exit_now
+    exit_now(main())

@@ -197,4 +197,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shared.teardown import exit_now
+    exit_now(main())

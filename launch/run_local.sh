@@ -2,7 +2,7 @@
 # Start one Tandem run on this machine: the learner and N actors, each its own process.
 #
 #   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--record]
-#                       [--set KEY=VALUE ...]
+#                       [--no-eval] [--set KEY=VALUE ...]
 #
 # With no arguments it trains PPO on CartPole-v1 (configs/cartpole_ppo.json). On first use, when
 # the project is not importable, it creates .venv/ and installs it there (torch==2.13.0 only when
@@ -13,11 +13,13 @@
 # Ctrl-C or SIGTERM, to the launcher or to its whole process group (as Slurm and Kubernetes send it),
 # stops every process within ~10 s (the learner writes a final checkpoint); the exit code is 130 or 143.
 # --record stores every batch the learner trains on under OUT/record (launch/replay.py retrains on it).
+# --no-eval starts no evaluator process: no eval/ metrics, no final evaluation, no videos (one process
+# and its start-up less: for short runs, and where the CPUs are all taken by actors).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="$ROOT/configs/cartpole_ppo.json"
-ACTORS=""; STEPS=""; OUT=""; RESUME=0; SETS=()
+ACTORS=""; STEPS=""; OUT=""; RESUME=0; NO_EVAL=0; SETS=()
 MAX_RESTARTS="${TANDEM_MAX_RESTARTS:-3}"
 
 usage() { sed -n '2,${/^#/!q;p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -29,6 +31,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --record) SETS+=("trainer.record=true"); shift ;;
+    --no-eval) NO_EVAL=1; shift ;;
     --set) SETS+=("$2"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "run_local.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -180,6 +183,7 @@ trap 'on_signal SIGTERM 143' TERM
 
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
 [[ $RESUME -eq 1 ]] && learner_args+=(--resume)
+[[ $NO_EVAL -eq 1 ]] && learner_args+=(--no-eval)
 echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | $WORLD learner rank(s)$([[ $SERVERS -gt 0 ]] && echo " | $SERVERS inference server(s)") | python $PY"
 open_log learner
 if [[ "$WORLD" -gt 1 ]]; then   # several learner ranks (learner.devices): torchrun starts one process per rank

@@ -60,7 +60,7 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def encode(td: TensorDictBase, **meta: Any) -> list:
+def encode(td: TensorDictBase, /, **meta: Any) -> list:
     """Encode a TensorDict and metadata as multipart frames.
 
     Args:
@@ -76,12 +76,21 @@ def encode(td: TensorDictBase, **meta: Any) -> list:
             over the bounds, meta that msgpack cannot encode (or that :func:`decode` would refuse),
             or a header over the limit: encode refuses what decode would.
     """
-    leaves = sorted(((k if isinstance(k, tuple) else (k,), t)
-                     for k, t in td.items(include_nested=True, leaves_only=True)), key=lambda kv: kv[0])
+    leaves = [(k if isinstance(k, tuple) else (k,), t) for k, t in td.items(include_nested=True, leaves_only=True)]
+    return encode_leaves(list(td.batch_size), leaves, **meta)
+
+
+def encode_leaves(batch: list[int], leaves: Sequence[tuple[tuple[str, ...], torch.Tensor]], /,
+                  **meta: Any) -> list:
+    """:func:`encode` without a TensorDict: `leaves` are ``(key path, tensor)`` pairs whose shapes
+    start with `batch` (not checked here: :func:`decode` refuses them). The frames are the same as
+    encode's for a TensorDict of these leaves. For small messages sent often (the inference
+    server's requests and replies), where building a TensorDict costs more than the message."""
+    leaves = sorted(leaves, key=lambda kv: kv[0])
     if len(leaves) > MAX_TENSORS:
         raise WireError(f"encode: {len(leaves)} tensors, over the limit of {MAX_TENSORS}")
-    if not _is_dims(list(td.batch_size)):
-        raise WireError(f"encode: batch size {list(td.batch_size)} spans more than {MAX_ELEMENTS} elements")
+    if not _is_dims(batch):
+        raise WireError(f"encode: batch size {batch} spans more than {MAX_ELEMENTS} elements")
     entries = []
     for path, t in leaves:
         name = _DTYPE_NAME.get(t.dtype)
@@ -94,7 +103,7 @@ def encode(td: TensorDictBase, **meta: Any) -> list:
             raise WireError(f"encode: tensor {'/'.join(path)!r} of shape {list(t.shape)} has more than "
                             f"{MAX_DIMS} dims or spans more than {MAX_ELEMENTS} elements (zeros count as ones)")
         entries.append([list(path), name, list(t.shape)])
-    header = {"v": PROTOCOL_VERSION, "batch": list(td.batch_size), "meta": meta, "tensors": entries}
+    header = {"v": PROTOCOL_VERSION, "batch": batch, "meta": meta, "tensors": entries}
     try:
         head = msgpack.packb(header, use_bin_type=True)
         # msgpack packs what decode refuses (maps with non-string keys, ext types): refuse it here
@@ -228,6 +237,22 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
         WireError: on any malformed input, and only this. The header and frame sizes are checked
             before any tensor memory is touched; bool bytes other than 0 and 1 are found after.
     """
+    batch, leaves, meta = decode_leaves(frames, max_message_bytes)
+    name = "(batch)"
+    try:
+        td = TensorDict({}, batch_size=batch)
+        for path, t in leaves.items():
+            name = _name(path)
+            td.set(path if len(path) > 1 else path[0], t)
+    except Exception as e:   # a gap in decode_leaves' checks: still a WireError, never another type
+        raise WireError(f"tensor {name!r}: cannot be built ({type(e).__name__}: {str(e)[:200]})") from e
+    return td, meta
+
+
+def decode_leaves(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+                  ) -> tuple[list[int], dict[tuple[str, ...], torch.Tensor], dict]:
+    """:func:`decode` without building the TensorDict: ``(batch size, {key path: tensor}, meta)``,
+    after the same checks (every shape starts with the batch size; no path runs through another)."""
     if not isinstance(frames, (list, tuple)) or not frames:
         raise WireError("a message needs at least one frame (the header)")
     header = _parse_header(_buffer(frames[0]))
@@ -256,11 +281,11 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     for path in paths:  # a leaf cannot also be a sub-dict of another leaf
         if any(path[:j] in paths for j in range(1, len(path))):
             raise WireError(f"tensor {_name(path)!r}: key path runs through another tensor")
-    # Everything above was checked; torch or tensordict refusing anything below would be a gap in
-    # those checks, and is still reported as a WireError so that no receive loop can be stopped.
+    # Everything above was checked; torch refusing anything below would be a gap in those checks, and
+    # is still reported as a WireError so that no receive loop can be stopped.
     name = "(batch)"
+    leaves: dict[tuple[str, ...], torch.Tensor] = {}
     try:
-        td = TensorDict({}, batch_size=batch)
         for path, dtype, shape, buf in specs:
             name = _name(path)
             if buf.readonly:
@@ -269,9 +294,9 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
             t = t.view(shape)
             if dtype is torch.bool and t.numel() and bool(t.view(torch.uint8).gt(1).any()):
                 raise WireError(f"tensor {name!r}: bool bytes must be 0 or 1")
-            td.set(path if len(path) > 1 else path[0], t)
+            leaves[path] = t
     except WireError:
         raise
     except Exception as e:
         raise WireError(f"tensor {name!r}: cannot be built ({type(e).__name__}: {str(e)[:200]})") from e
-    return td, header["meta"]
+    return batch, leaves, header["meta"]

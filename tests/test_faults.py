@@ -75,7 +75,7 @@ def _port_free(endpoint: str) -> bool:
 
 def test_sigkill_actor_is_replaced_and_learning_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0")
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0")
     try:
         assert run.wait(120, until=lambda: _publish_count(run_dir) >= 3) is None, run.output()
         victim, = _procs(run, "--actor-id 1")
@@ -108,7 +108,7 @@ def test_sigkill_actor_is_replaced_and_learning_goes_on(tmp_path):
 
 def test_sigkill_learner_stops_the_run_and_resume_restores_every_counter(tmp_path):
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.save_freq=1024", name="first")
     try:
         def two_checkpoints() -> bool:
@@ -132,7 +132,7 @@ def test_sigkill_learner_stops_the_run_and_resume_restores_every_counter(tmp_pat
     n_before = len(read_jsonl(run_dir / "versions.jsonl"))
     m_before = len(read_jsonl(run_dir / "metrics.jsonl"))
 
-    second = launch(tmp_path, run_dir, "--resume", "--actors", "2", "--steps", str(ckpt["env_steps"] + 3000),
+    second = launch(tmp_path, run_dir, "--no-eval", "--resume", "--actors", "2", "--steps", str(ckpt["env_steps"] + 3000),
                     "--set", "trainer.eval_freq=0", "--set", "trainer.save_freq=1024", name="second")
     try:
         assert second.wait(RUN_TIMEOUT_S) == 0, second.output()
@@ -188,7 +188,7 @@ def test_ten_thousand_malformed_messages_while_training(tmp_path):
     import zmq
 
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.buffer_type=vla")
     ctx = zmq.Context()
     try:
@@ -234,7 +234,7 @@ def test_overloaded_learner_keeps_memory_bounded_and_counts_every_drop(tmp_path)
     """Actors far faster than the learner (40 epochs an update): the buffer overwrites, the
     high-water marks hold the rest back, memory stays flat, and every rollout is accounted for."""
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.buffer_type=vla", "--set", "algorithm.cfg.n_epochs=40",
                  "--set", "trainer.buffer_capacity=2", "--set", "trainer.lag_policy=drop")
     samples: dict[str, list[int]] = {"learner": [], "actors": []}

@@ -348,7 +348,7 @@ def test_run_local_two_actors_versions(tmp_path):
 @pytest.mark.slow
 def test_vla_mode_runs(tmp_path):
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
                  "--set", "trainer.eval_freq=0")
     try:
         rc = run.wait(RUN_TIMEOUT_S)
@@ -370,6 +370,9 @@ def test_vla_mode_runs(tmp_path):
             assert e["reason"] in ("lag", "stale", "overwritten", "shutdown"), e
     assert_update_metrics(read_jsonl(run_dir / "metrics.jsonl"), summary["updates"])
     assert "mode vla" in (run_dir / "logs" / "learner.log").read_text()
+    # --no-eval: no evaluator process, so no evaluation at all (not even the final one)
+    assert not any(k.startswith("last_eval/") for k in summary), summary
+    assert not any("eval/return_mean" in m for m in read_jsonl(run_dir / "metrics.jsonl"))
 
 
 @pytest.mark.slow
@@ -384,7 +387,7 @@ def test_slow_actor_does_not_block_vla(tmp_path):
     """
     run_dir = tmp_path / "run"
     slowdown_s = 0.02
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "30000", "--set", "trainer.buffer_type=vla",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "30000", "--set", "trainer.buffer_type=vla",
                  "--set", "trainer.lag_policy=drop",
                  "--set", "trainer.eval_freq=0", "--set", f"actors.slowdown_s={slowdown_s}",
                  "--set", "actors.slow_actor_ids=[1]")
@@ -461,7 +464,7 @@ def test_sigterm_during_a_long_update_stops_in_time(tmp_path):
             return False
 
     # 200,000 epochs of two minibatches: minutes for one update, were it not cut short
-    run = launch(tmp_path, run_dir, "--actors", "1", "--steps", "10000000", "--set", "algorithm.cfg.n_epochs=200000",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "1", "--steps", "10000000", "--set", "algorithm.cfg.n_epochs=200000",
                  "--set", "trainer.eval_freq=0")
     try:
         assert run.wait(120, until=first_consume) is None, f"the run ended early:\n{run.output()}"
@@ -481,7 +484,7 @@ def test_sigterm_during_a_long_update_stops_in_time(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_version(tmp_path):
     run_dir = tmp_path / "run"
-    first = launch(tmp_path, run_dir, "--actors", "2", "--steps", "4000", "--set", "trainer.eval_freq=0",
+    first = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.eval_freq=0",
                    name="first")
     try:
         assert first.wait(RUN_TIMEOUT_S) == 0, first.output()
@@ -494,7 +497,7 @@ def test_resume_continues_version(tmp_path):
     m_before = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert ckpt["version"] >= 1 and ckpt["env_steps"] >= 4000
 
-    second = launch(tmp_path, run_dir, "--resume", "--actors", "2", "--steps", "8000",
+    second = launch(tmp_path, run_dir, "--no-eval", "--resume", "--actors", "2", "--steps", "8000",
                     "--set", "trainer.eval_freq=0", name="second")
     try:
         assert second.wait(RUN_TIMEOUT_S) == 0, second.output()
@@ -593,7 +596,7 @@ def test_grpo_run_local(tmp_path):
     """configs/cartpole_grpo.json through the launcher: critic-free rollouts cross the wire and
     the learner publishes a version per update."""
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--config", str(ROOT / "configs" / "cartpole_grpo.json"), "--steps", "24000",
+    run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "cartpole_grpo.json"), "--steps", "24000",
                  "--set", "trainer.eval_freq=0")
     try:
         rc = run.wait(RUN_TIMEOUT_S)
@@ -632,7 +635,7 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     launcher restarts it, the actors re-send to the new one, and the run ends normally. Every
     consumed rollout's steps were acted within the lag the run allows."""
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
+    run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
                  "--steps", "4096", "--set", "trainer.eval_freq=0", "--set", "actors.inference=server")
     killed: list[int] = []
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow   # two launcher runs (~30-60 s here); CI runs it
 
 def _run(tmp_path, policy: str) -> tuple[dict, list[dict]]:
     run_dir = tmp_path / policy
-    run = launch(tmp_path, run_dir, "--config", str(CONFIG), "--actors", "2", "--steps", "8000",
+    run = launch(tmp_path, run_dir, "--no-eval", "--config", str(CONFIG), "--actors", "2", "--steps", "8000",
                  "--set", "trainer.buffer_type=vla", "--set", f"trainer.lag_policy={policy}",
                  "--set", f"trainer.max_policy_lag={MAX_LAG}", "--set", "trainer.eval_freq=0",
                  "--set", "actors.num_envs=4", "--set", "trainer.buffer_size=32",

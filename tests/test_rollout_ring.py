@@ -365,7 +365,7 @@ def _ring_files() -> set[str]:
 def _launch(tmp_path: Path, name: str, *args: str):
     from tests.test_integration import launch, run_to_the_end
     out = tmp_path / name
-    return out, run_to_the_end(launch(tmp_path, out, *args, name=name), out)
+    return out, run_to_the_end(launch(tmp_path, out, "--no-eval", *args, name=name), out)
 
 
 def _digest(run_dir: Path, version: int | None = None) -> str:
@@ -398,7 +398,7 @@ def test_run_local_with_the_ring_trains_every_step_and_leaves_nothing(tmp_path):
 def test_a_killed_learners_ring_file_is_removed_by_the_launcher(tmp_path):
     from tests.test_integration import launch, tandem_processes
     out = tmp_path / "killed"
-    run = launch(tmp_path, out, "--steps", "10000000", "--set", "actors.rollout_transport=ring", name="killed")
+    run = launch(tmp_path, out, "--no-eval", "--steps", "10000000", "--set", "actors.rollout_transport=ring", name="killed")
     try:
         deadline = time.monotonic() + 120
         ep = None
@@ -426,7 +426,7 @@ def test_a_killed_actor_is_replaced_and_its_new_life_sends_through_the_ring(tmp_
     from tests.test_faults import _procs, _publish_count, _stop
     from tests.test_integration import consumes, launch, read_jsonl
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.buffer_type=vla", "--set", "actors.rollout_transport=ring",
                  "--set", "actors.rollout_ring_slots=1", name="restart")
     try:
@@ -453,14 +453,14 @@ def test_standard_mode_trains_the_same_weights_through_the_ring(tmp_path):
     version are the same to the bit whichever transport carried the rollouts. Compared at the newest
     version both runs saved (a checkpoint every update), not at the end: whether the last rollout
     arrives before the step budget stops the run is a race, so one run may train one update more."""
-    common = ("--steps", "20000", "--set", "trainer.buffer_type=standard", "--set", "trainer.save_freq=512")
+    common = ("--steps", "10240", "--set", "trainer.buffer_type=standard", "--set", "trainer.save_freq=512")
     zmq_out, _ = _launch(tmp_path, "zmq", *common)
     ring_out, seen = _launch(tmp_path, "ring", *common, "--set", "actors.rollout_transport=ring")
     assert seen and "rollout_ring" in seen[0]
     saved = [{int(p.stem.split("_")[1]) for p in (out / "checkpoints").glob("ckpt_*.pt")}
              for out in (zmq_out, ring_out)]
     common_version = max(saved[0] & saved[1])
-    assert common_version >= 38, saved
+    assert common_version >= 18, saved
     assert _digest(ring_out, common_version) == _digest(zmq_out, common_version)
 
 

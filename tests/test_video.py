@@ -218,7 +218,8 @@ def test_launcher_run_writes_videos_that_decode(tmp_path, when):
     rendered during the run or replayed after it."""
     run = tmp_path / "run"
     cmd = ["bash", str(ROOT / "launch" / "run_local.sh"), "--config", str(ROOT / "configs" / "halfcheetah_ppo.json"),
-           "--steps", "16384", "--out", str(run), "--set", "trainer.eval_freq=4096", "--set", "actors.slowdown_s=0.01",
+           "--steps", "4096", "--out", str(run), "--set", "trainer.eval_freq=1024", "--set", "actors.slowdown_s=0.01",
+           "--set", "trainer.buffer_size=64",
            "--set", "trainer.num_eval_episodes=2", "--set", "trainer.video.every=2",
            "--set", "trainer.video.max_frames=12", "--set", "trainer.video.episodes=1",
            "--set", 'env.cfg={"width": 80, "height": 64}', "--set", "actors.num_envs=4",

@@ -185,6 +185,24 @@ def test_roundtrip_nested_observation():
     assert out["observation", "rgb"].shape == (4, 5, 8, 8, 3)
 
 
+def test_the_leaf_functions_speak_the_same_frames_as_the_tensordict_ones():
+    """encode_leaves/decode_leaves (the inference server's per-step path) make and read exactly the
+    frames encode/decode do, in any leaf order."""
+    td = rollout_td(n=4, t=5)
+    leaves = [(k if isinstance(k, tuple) else (k,), v) for k, v in td.items(include_nested=True, leaves_only=True)]
+    frames = wire.encode(td, kind="x", seq=3)
+    same = wire.encode_leaves([4, 5], leaves[::-1], kind="x", seq=3)
+    assert [bytes(f) for f in frames] == [bytes(f) for f in same]
+    batch, got, meta = wire.decode_leaves([bytes(f) for f in frames])
+    assert batch == [4, 5] and meta == {"kind": "x", "seq": 3}
+    assert got.keys() == {p for p, _ in leaves}
+    for path, t in leaves:
+        assert got[path].dtype == t.dtype and got[path].shape == t.shape     # bit for bit (NaNs too)
+        assert torch.equal(got[path].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
+    with pytest.raises(wire.WireError, match="does not start with the batch size"):
+        wire.decode_leaves(wire.encode_leaves([3], [(("a",), torch.zeros(4))]))
+
+
 def test_roundtrip_deeply_nested_keys():
     td = TensorDict({"a": {"b": {"c": {"d": torch.arange(6).reshape(2, 3)}}}}, batch_size=[2])
     out, _ = roundtrip(td)
