@@ -255,8 +255,11 @@ class InferenceServer:
             if servable:
                 deadline = min(r.arrived for r in servable) + min(self.max_wait_s, 0.5 * self.forward_ema_s)
             remaining = deadline - now
-            if not self.sock.poll(max(0, int(remaining * 1000)) if remaining > 0 else 0):
-                if remaining <= 0 or time.perf_counter() >= deadline:
+            # ZeroMQ waits in whole milliseconds: under half of one left, take what has arrived and
+            # serve (polling with 0 until the deadline spun a core, taken from the learner on a small host)
+            wait_ms = round(remaining * 1000) if remaining >= 0.0005 else 0
+            if not self.sock.poll(wait_ms):
+                if wait_ms == 0 or time.perf_counter() >= deadline:
                     return
                 continue
             while self.sock.poll(0):
