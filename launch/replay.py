@@ -104,6 +104,20 @@ def inexact_reason(cfg, record_dir: Path | None = None) -> str | None:
     return None
 
 
+_WARNED: set[Path] = set()   # run directories whose inexact replay this process has reported
+
+
+def warn_inexact(run_dir: Path, why: str | None) -> bool:
+    """Say why a replay of `run_dir` is not bit for bit: once per run directory and process (a
+    sweep such as replay_corrections.py replays one record many times). True if it printed."""
+    key = Path(run_dir).resolve()
+    if why is None or key in _WARNED:
+        return False
+    _WARNED.add(key)
+    print(f"[replay] {run_dir}: {why}", file=sys.stderr, flush=True)
+    return True
+
+
 def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | None = None,
            max_updates: int | None = None, progress: bool = False) -> Learner:
     """Retrain on `run_dir`'s record; returns the learner after the last replayed update."""
@@ -112,9 +126,7 @@ def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | No
     if not config_path.is_file():
         raise ReplayError(f"{config_path}: not found (not a Tandem run directory?)")
     cfg = load_config(config_path, overrides or [])
-    why = inexact_reason(load_config(config_path), run_dir / "record")
-    if why is not None:
-        print(f"[replay] {run_dir}: {why}", file=sys.stderr, flush=True)
+    warn_inexact(run_dir, inexact_reason(load_config(config_path), run_dir / "record"))
     cfg.trainer.record = False
     cfg.learner.weights_transport = "zmq"       # nobody listens: no shared-memory ring
     record_dir = run_dir / "record"

@@ -437,6 +437,9 @@ def test_replay_reads_the_recorded_threads_and_says_when_it_has_none(tmp_path):
     assert replay_tool.read_threads(record) == {1: [2, 2, 2, 1, 1], 2: [1]}
     fixed = load_config(ROOT / "configs" / "halfcheetah_ppo.json", ["learner.torch_threads=1"])
     assert replay_tool.inexact_reason(fixed) is None
+    # said once per record, however many replays of it a sweep runs (replay_corrections.py)
+    assert [replay_tool.warn_inexact(tmp_path, "why") for _ in range(3)] == [True, False, False]
+    assert not replay_tool.warn_inexact(tmp_path / "other", None)
     for bad in ('{"update": 3, "threads": [[0, 1]]}', '{"update": 3}', "not json", '{"update": "3", "threads": []}'):
         (record / "threads.jsonl").write_text(bad + "\n")
         with pytest.raises(replay_tool.ReplayError, match=r"threads.jsonl:1"):
