@@ -4,13 +4,15 @@
 #   tandem_python ROOT [EXTRAS MODULE...]     sets PY
 #
 # PY is, in this order: $TANDEM_PYTHON; ROOT/.venv/bin/python; python3 on PATH; the first one that
-# can import the runtime dependencies and every MODULE. When none can, ROOT/.venv is created if it
+# finds the runtime dependencies and every MODULE. When none can, ROOT/.venv is created if it
 # does not exist and the project is installed there with pip install -e 'ROOT[EXTRAS]' (with
 # $TANDEM_PYTHON set, into that interpreter instead). torch is installed as torch==2.13.0 (the CPU
 # wheel) only when no torch is importable, so a CUDA build already there is kept; a bare "torch"
 # is never asked for (pip would pull the CUDA wheels).
 
-_tandem_runtime_ok() { "$1" -c "import torch, tensordict, zmq, msgpack, gymnasium, tensorboard" >/dev/null 2>&1; }
+# Found, not imported: importing them takes 3-4 s on a small host, at every launch. An installed
+# package that fails to import is reported by the process that imports it, naming the module.
+_tandem_runtime_ok() { [[ -z "$(_tandem_missing "$1" torch tensordict zmq msgpack gymnasium tensorboard)" ]]; }
 
 _tandem_missing() {  # print the MODULEs that PY cannot find (without importing them: fast)
   local py=$1; shift
