@@ -305,6 +305,9 @@ class InferenceServer:
         reply carries the version that acted (the loader's: nothing loads during this)."""
         version, incarnation, received = self.loader.version, self.loader.incarnation, self.loader.received_at
         t0 = time.perf_counter()
+        envs = sum(r.n for r in batch)
+        self.counts["batches"] += 1          # before any reply: whoever has a reply sees its batch counted
+        self.counts["envs"] += envs
         for kind in ("act", "value"):
             reqs = [r for r in batch if r.kind == kind]
             if not reqs:
@@ -328,9 +331,6 @@ class InferenceServer:
                     self.counts["replies"] += 1
                 except zmq.ZMQError as e:   # its queue is full or it is gone: never block the others
                     self._refuse("busy", r.route, f"its reply could not be sent ({e})")
-        envs = sum(r.n for r in batch)
-        self.counts["batches"] += 1
-        self.counts["envs"] += envs
         w = self._window
         w["batches"] += 1
         w["envs"] += envs
