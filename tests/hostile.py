@@ -126,7 +126,8 @@ def mutate_td(td: TensorDict, meta: dict, rng: random.Random) -> tuple[TensorDic
         td.del_(key)
         td.set(key, t.to(getattr(torch, rng.choice(_DTYPES))))
     elif op == 4:                                  # another trailing shape
-        new = t.reshape(*t.shape[:2], -1)
+        # (a tensor with no elements, e.g. one a change added as [N, 0], cannot infer a -1)
+        new = t.reshape(*t.shape[:2], -1) if t.numel() else t.reshape(*t.shape[:2], 0)
         extra = rng.choice([0, 1, 2])
         new = torch.cat([new, torch.zeros(*new.shape[:2], extra, dtype=t.dtype)], -1) if extra else new[..., :0]
         td.del_(key)
