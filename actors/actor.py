@@ -21,7 +21,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from actors.emulated_device import device_for
 from actors.inference import InferenceStopped, InferenceUnavailable, RemotePolicy, endpoint_path, server_of
-from actors.rollout import Collector, sends_bootstrap_obs
+from actors.rollout import Collector, EnvParts, sends_bootstrap_obs
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire
 from shared.config import Config, weights_at
@@ -72,8 +72,11 @@ class Actor:
         self.learner_timeout_s = learner_timeout_s
         seed = actor_seed(cfg, actor_id)
         torch.manual_seed(seed)
-        self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device,
-                            tokenizer=instruction_tokenizer(cfg))
+        # with a server, actors.server_splits parts of the envs, each with its own request in flight
+        k = cfg.actors.server_splits if remote is not None else 1
+        envs = [make_env(cfg.env.id, cfg.actors.num_envs // k, cfg.env.cfg, self.device,
+                         tokenizer=instruction_tokenizer(cfg)) for _ in range(k)]
+        self.env = envs[0] if k == 1 else EnvParts(envs)
         # actors.inference "server": the policy is the device's inference server (actors/inference.py);
         # this process only steps its envs, and holds no copy of the model
         self.remote = remote

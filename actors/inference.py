@@ -25,8 +25,12 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   a restarted server binds the same port when it can and writes a new incarnation, and an actor
   waiting on it re-sends its request to the new one.
 
-GRPO: a group is envs of one actor, so they are always in the same request and act with the same
-version. ``lag_policy: pace`` and its credits stay with the actors (the learner counts rollouts).
+With ``actors.server_splits`` k > 1 each actor steps its envs in k parts, each with its own request
+in flight (:class:`RemotePolicy` ``submit``/``result``): the server answers one part while the actor
+steps another (double-buffered sampling, ``actors/rollout.py``).
+
+GRPO: a group is envs of one actor (of one part), so they are always in the same request and act
+with the same version. ``lag_policy: pace`` and its credits stay with the actors (the learner counts rollouts).
 """
 
 from __future__ import annotations
@@ -366,6 +370,20 @@ class InferenceServer:
 
 
 # ---------------------------------------------------------------------------------------- actors' side
+MAX_IN_FLIGHT = 16        # an actor's requests in flight at once, at most (actors.server_splits' bound)
+
+
+@dataclass
+class _Pending:
+    """A request in flight: what it asked, its frames (sent again to a restarted server), by when
+    its reply must come, and the server incarnation that has it."""
+    kind: str
+    n: int
+    frames: list
+    deadline: float
+    sent_to: str | None = None
+
+
 class RemotePolicy:
     """The acting policy as an actor sees it with ``actors.inference: server``: each call sends the
     observations to the server and waits for the reply. What the collector needs of a policy:
@@ -397,6 +415,8 @@ class RemotePolicy:
         self.min_version = -1                    # asked of the next act request only (standard mode)
         self.version, self.incarnation, self.received_at = -1, None, 0.0
         self._rid = 0
+        self._pending: dict[int, _Pending] = {}  # requests sent (or to send), not answered yet
+        self._ready: dict[int, tuple] = {}      # answered, not taken by result() yet
         self._next_check = 0.0                   # when to look at the endpoint file again
 
     @classmethod
@@ -418,36 +438,21 @@ class RemotePolicy:
             time.sleep(0.05)
 
     def __call__(self, td: TensorDictBase) -> TensorDict:
-        out, meta = self._ask("act", td)
-        self.min_version = -1
-        n = td.batch_size[0]
-        out.set(keys.POLICY_VERSION, torch.full((n,), meta["version"], dtype=torch.int64))
-        return out
+        return self.result(self.submit("act", td))
 
     def get_value(self, td: TensorDictBase) -> torch.Tensor:
-        out, _ = self._ask("value", td)
-        return out[keys.VALUE]
+        return self.result(self.submit("value", td))[keys.VALUE]
 
     def parameters(self):   # the collector asks where the policy runs: on the server, outputs come to us here
         yield torch.empty(0)
 
-    # -------------------------------------------------------------- one round trip
-    def _connect(self, info: dict) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 4)
-        self.sock.setsockopt(zmq.RCVHWM, 4)
-        if self.curve is not None:
-            self.curve.apply(self.sock)
-        self.sock.connect(info["endpoint"])
-        self.server = info
-
-    def _ask(self, kind: str, td: TensorDictBase) -> tuple[TensorDict, dict]:
+    # -------------------------------------------------------------- requests in flight
+    def submit(self, kind: str, td: TensorDictBase) -> int:
+        """Send a request ("act" or "value") for the observations in `td` without waiting for its
+        reply; returns its id for :meth:`result`. Several may be in flight (``actors.server_splits``):
+        replies are kept until asked for, and all of them are sent again to a restarted server."""
         self._rid += 1
         rid = self._rid
-        n = td.batch_size[0]
         obs = td.get(keys.OBS)
         leaves = ([((keys.OBS, *(k if isinstance(k, tuple) else (k,))), v)
                    for k, v in obs.items(include_nested=True, leaves_only=True)]
@@ -455,50 +460,97 @@ class RemotePolicy:
         meta = {"kind": kind, "actor": self.actor_id, "id": rid}
         if kind == "act" and self.min_version >= 0:
             meta["min_version"] = self.min_version
-        frames = wire.encode_leaves([n], leaves, **meta)     # the codec copies device tensors to the CPU
-        deadline = time.monotonic() + self.timeout_s
-        sent_to = None
-        while True:
+        frames = wire.encode_leaves([td.batch_size[0]], leaves, **meta)   # the codec copies device tensors to the CPU
+        self._pending[rid] = _Pending(kind, td.batch_size[0], frames, time.monotonic() + self.timeout_s)
+        self._send_pending()
+        return rid
+
+    def result(self, rid: int) -> TensorDict:
+        """The reply to request `rid` (:meth:`submit`), waiting for it: ``action``, ``log_prob``
+        (``value`` with a critic) and ``policy_version`` per env for "act", ``value`` for "value".
+        Raises :class:`InferenceStopped` when `should_stop` says so while waiting, and
+        :class:`InferenceUnavailable` after `timeout_s` without its reply."""
+        while rid not in self._ready:
+            if rid not in self._pending:
+                raise KeyError(f"request {rid}: not in flight (already taken, or cancelled)")
             if self.should_stop():
                 raise InferenceStopped()
-            now = time.monotonic()
-            if now >= self._next_check or self.sock is None:   # a (re)started server: connect to it, (re)send
-                self._next_check = now + ENDPOINT_CHECK_S
-                info = read_endpoint(self.path)
-                if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]):
-                    self._connect(info)
-                    sent_to = None
-            if self.sock is not None and sent_to != self.server["incarnation"]:
-                try:
-                    self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
-                    sent_to = self.server["incarnation"]
-                except zmq.Again:
-                    pass
-            if now > deadline:
+            self._send_pending()
+            if time.monotonic() > self._pending[rid].deadline:
                 raise InferenceUnavailable(f"no reply from the inference server ({self.path}) for "
                                            f"{self.timeout_s:.0f} s")
-            if self.sock is None or not self.sock.poll(50):
-                continue
-            reply = self.sock.recv_multipart(copy=False)
-            try:
-                batch, outs, rmeta = wire.decode_leaves(reply)
-            except wire.WireError as e:
-                log.warning("actor %d: a malformed reply from the inference server: %s", self.actor_id, e)
-                continue
-            if rmeta.get("id") != rid:
-                continue                          # the answer to a request we sent before a restart
-            version = rmeta.get("version")
-            if not (_is_int(version) and version >= 0) or batch != [n] or any(len(p) != 1 for p in outs):
-                log.warning("actor %d: a reply without a valid version, of the wrong size or nested", self.actor_id)
-                continue
+            if self.sock is not None and self.sock.poll(50):
+                self._take_reply(self.sock.recv_multipart(copy=False))
+        out, kind = self._ready.pop(rid)
+        if kind == "act":
+            self.min_version = -1      # asked of a rollout's first requests only
+        return out
+
+    def cancel(self) -> None:
+        """Forget every request in flight: replies that come for them later are dropped."""
+        self._pending.clear()
+        self._ready.clear()
+
+    def _send_pending(self) -> None:
+        """(Re)connect to a (re)started server when its endpoint file says so, and send every
+        request in flight that this incarnation of the server has not had yet."""
+        now = time.monotonic()
+        if now >= self._next_check or self.sock is None:
+            self._next_check = now + ENDPOINT_CHECK_S
+            info = read_endpoint(self.path)
+            if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]):
+                self._connect(info)
+        if self.sock is None:
+            return
+        for p in self._pending.values():
+            if p.sent_to != self.server["incarnation"]:
+                try:
+                    self.sock.send_multipart(p.frames, flags=zmq.NOBLOCK)
+                    p.sent_to = self.server["incarnation"]
+                except zmq.Again:
+                    return
+
+    def _take_reply(self, reply: list) -> None:
+        """Check a reply and keep it for its request; a reply to no request in flight (sent before a
+        restart, or cancelled) is dropped."""
+        try:
+            batch, outs, rmeta = wire.decode_leaves(reply)
+        except wire.WireError as e:
+            log.warning("actor %d: a malformed reply from the inference server: %s", self.actor_id, e)
+            return
+        rid = rmeta.get("id")
+        p = self._pending.get(rid) if _is_int(rid) else None
+        if p is None:
+            return
+        version = rmeta.get("version")
+        if not (_is_int(version) and version >= 0) or batch != [p.n] or any(len(k) != 1 for k in outs):
+            log.warning("actor %d: a reply without a valid version, of the wrong size or nested", self.actor_id)
+            return
+        del self._pending[rid]
+        # the tensors alias the received frames, which are ours alone (no copy needed)
+        out = TensorDict({k[0]: t for k, t in outs.items()}, batch_size=[p.n])
+        if p.kind == "act":
             incarnation = rmeta.get("incarnation") if isinstance(rmeta.get("incarnation"), str) else None
             received = rmeta.get("received")
             received = float(received) if isinstance(received, (int, float)) else time.time()
             if version != self.version or incarnation != self.incarnation:   # the first action with it
                 self.synced.append([version, received, time.time()])
             self.version, self.incarnation, self.received_at = version, incarnation, received
-            # the tensors alias the received frames, which are ours alone (no copy needed)
-            return TensorDict({p[0]: t for p, t in outs.items()}, batch_size=[n]), rmeta
+            out.set(keys.POLICY_VERSION, torch.full((p.n,), version, dtype=torch.int64))
+        self._ready[rid] = (out, p.kind)
+
+    # -------------------------------------------------------------- the connection
+    def _connect(self, info: dict) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 4 + MAX_IN_FLIGHT)
+        self.sock.setsockopt(zmq.RCVHWM, 4 + MAX_IN_FLIGHT)
+        if self.curve is not None:
+            self.curve.apply(self.sock)
+        self.sock.connect(info["endpoint"])
+        self.server = info
 
     def close(self) -> None:
         if self.sock is not None:

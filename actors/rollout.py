@@ -4,6 +4,11 @@ pre-allocated ``[N, T]`` rollout. No sockets here; :mod:`actors.actor` sends wha
 Storage is plain tensors written with one indexed copy per key per step (TensorDict indexing in
 the step loop costs more than the env step for small envs); the TensorDict view is built once per
 rollout. Two storages alternate so one can be filled while ZeroMQ still reads the other.
+
+With an inference server and ``actors.server_splits`` k > 1 the actor's envs are k
+:class:`EnvParts` stepped in turn, each with its own request at the server (double-buffered
+sampling): while the server acts for one part the actor steps another, so the round trip is
+hidden behind env steps instead of added to every one.
 """
 
 from __future__ import annotations
@@ -18,8 +23,52 @@ from torch import nn
 
 from actors.emulated_device import EmulatedInference, SlowEnv
 from shared import keys
-from shared.envs.base import BatchedEnv
+from shared.envs.base import BatchedEnv, StepResult
 from shared.rollout import rollout_template, sends_bootstrap_obs  # noqa: F401  (the schema, re-exported)
+
+
+class EnvParts:
+    """k batched envs stepped as one :class:`BatchedEnv` of all their envs (env i of part j is env
+    ``start_j + i`` of the whole), or part by part (``parts`` and ``slices``) by a collector that
+    overlaps one part's inference with another's env step. An int reset seed gives the whole's env i
+    ``seed + i`` as one env would; a list is split among the parts."""
+
+    def __init__(self, parts: list[BatchedEnv]):
+        if not parts:
+            raise ValueError("EnvParts needs at least one env")
+        self.parts = list(parts)
+        self.spec, self.device = parts[0].spec, parts[0].device
+        self.slices, start = [], 0
+        for p in self.parts:
+            self.slices.append(slice(start, start + p.num_envs))
+            start += p.num_envs
+        self.num_envs = start
+
+    def reset(self, seed: int | list[int] | None = None):
+        outs = []
+        for p, sl in zip(self.parts, self.slices):
+            part_seed = seed[sl] if isinstance(seed, list) else None if seed is None else seed + sl.start
+            outs.append(p.reset(seed=part_seed))
+        return torch.cat(outs)
+
+    def step(self, action: torch.Tensor) -> StepResult:
+        return merge_steps([p.step(action[sl]) for p, sl in zip(self.parts, self.slices)])
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+
+def merge_steps(steps: list[StepResult]) -> StepResult:
+    """Several parts' step results as one, in order."""
+    if len(steps) == 1:
+        return steps[0]
+    cat = lambda name: torch.cat([getattr(s, name) for s in steps])   # noqa: E731
+    joined = lambda name: [x for s in steps for x in getattr(s, name)]   # noqa: E731
+    return StepResult(obs=cat("obs"), reward=cat("reward"), terminated=cat("terminated"),
+                      truncated=cat("truncated"), final_obs=cat("final_obs"),
+                      episode_returns=joined("episode_returns"), episode_lengths=joined("episode_lengths"),
+                      episode_successes=joined("episode_successes"), episode_metrics=joined("episode_metrics"))
 
 
 @dataclass
@@ -54,8 +103,9 @@ class Collector:
                  bootstrap_obs: bool = False, inference_latency_per_env_s: float = 0.0, device_lock=None):
         # The study knobs wrap the env and the policy (actors/emulated_device.py): the loop below is
         # the same with them or without.
-        if step_delay_s:
-            env = SlowEnv(env, step_delay_s)
+        if step_delay_s:   # env parts: each part is slow by its share, a whole step by the full delay
+            env = (EnvParts([SlowEnv(p, step_delay_s / len(env.parts)) for p in env.parts])
+                   if isinstance(env, EnvParts) else SlowEnv(env, step_delay_s))
         if inference_latency_s or inference_latency_per_env_s or device_lock is not None:
             policy = EmulatedInference(policy, inference_latency_s, device_lock, per_env_s=inference_latency_per_env_s)
         self.env, self.policy, self.num_steps = env, policy, num_steps
@@ -64,6 +114,8 @@ class Collector:
         self.device = next(policy.parameters()).device
         # An inference server's replies say which version acted at each step (actors/inference.py).
         self.stamps_versions = getattr(policy, "stamps_versions", False)
+        # env parts and a policy that takes requests without waiting for them: overlap the two
+        self.pipelined = isinstance(env, EnvParts) and len(env.parts) > 1 and hasattr(policy, "submit")
         pin = self.device.type == "cuda"
         self.with_value = getattr(policy, "critic", None) is not None
         self.bootstrap_obs = bootstrap_obs and self.with_value
@@ -99,57 +151,93 @@ class Collector:
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         idx, out = self._claim_storage(reset_seeds)
-        obs_b, act_b, logp_b = out[keys.OBS], out[keys.ACTION], out[keys.LOG_PROB]
-        ver_b = out[keys.POLICY_VERSION]
-        rew_b, term_b, trunc_b = out[keys.REWARD], out[keys.TERMINATED], out[keys.TRUNCATED]
-        val_b = out[keys.VALUE] if self.with_value else None
-        nval_b = out[keys.NEXT_VALUE] if self.with_value else None
-        if nval_b is not None:
-            nval_b.zero_()
-        boot_b = out[keys.BOOTSTRAP_OBS] if self.bootstrap_obs else None
-        if boot_b is not None:
-            boot_b.zero_()
+        if self.with_value:
+            out[keys.NEXT_VALUE].zero_()
+        if self.bootstrap_obs:
+            out[keys.BOOTSTRAP_OBS].zero_()
         stats = RolloutStats()
+        steps = self._steps_in_parts if self.pipelined else self._steps
+        if not steps(out, version, stats, should_stop, refresh):
+            return None
+        self._finish_values(out)
+        if refresh is None and not self.stamps_versions:
+            out[keys.POLICY_VERSION].fill_(version)
+        self._to_host(out, idx)
+        self.env_steps += self.env.num_envs * self.num_steps
+        stats.collect_s = time.perf_counter() - t0
+        stats.collect_cpu_s = time.thread_time() - c0
+        return self._host[idx], stats, idx
+
+    def _steps(self, out: TensorDict, version: int, stats: RolloutStats, should_stop, refresh) -> bool:
+        """The T steps of :meth:`collect`, all envs at once; False when the rollout is abandoned."""
+        ver_b = out[keys.POLICY_VERSION]
         n = self.env.num_envs
+        whole, bufs = slice(None), dict(out.items())
         for t in range(self.num_steps):
             if should_stop is not None and should_stop():
-                return None
+                return False
             if refresh is not None:
                 if t > 0:
                     version = refresh()
                     if version is None:      # stopped while waiting for whole weights: abandon
-                        return None
+                        return False
                 ver_b[:, t] = version
             ti = time.perf_counter()
             td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
-            action = td[keys.ACTION]
-            if self.stamps_versions:
-                ver_b[:, t] = td[keys.POLICY_VERSION]
             te = time.perf_counter()
-            step = self.env.step(action)
+            step = self.env.step(td[keys.ACTION])
             stats.inference_s += te - ti
             stats.env_s += time.perf_counter() - te
-            if step.reward.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
-                step = self._to_device(step)
-            obs_b[:, t] = self.obs
-            act_b[:, t] = action
-            logp_b[:, t] = td[keys.LOG_PROB]
-            if val_b is not None:
-                val_b[:, t] = td[keys.VALUE]
-            rew_b[:, t] = step.reward
-            term_b[:, t] = step.terminated
-            trunc_b[:, t] = step.truncated
-            if step.episode_returns:
-                self._episodes_ended(step, t, stats, nval_b, boot_b)
-            self.obs = step.obs
-        self._finish_values(out, term_b, trunc_b, val_b, nval_b, boot_b)
-        if refresh is None and not self.stamps_versions:
-            ver_b.fill_(version)
-        self._to_host(out, idx)
-        self.env_steps += n * self.num_steps
-        stats.collect_s = time.perf_counter() - t0
-        stats.collect_cpu_s = time.thread_time() - c0
-        return self._host[idx], stats, idx
+            self.obs = self._record(bufs, whole, t, self.obs, td, step, stats)
+        return True
+
+    def _steps_in_parts(self, out: TensorDict, version: int, stats: RolloutStats, should_stop, refresh) -> bool:
+        """:meth:`_steps` with the env in parts, each with its own request at the server: a part's
+        next request goes out as soon as it has stepped, and is answered while the others step.
+        Requests go out part by part in step order, so the versions the replies carry never go back."""
+        policy, parts, slices = self.policy, self.env.parts, self.env.slices
+        bufs = dict(out.items())
+        obs = [self.obs[sl] for sl in slices]
+        asked = [policy.submit("act", TensorDict({keys.OBS: o}, batch_size=[o.shape[0]])) for o in obs]
+        try:
+            for t in range(self.num_steps):
+                if should_stop is not None and should_stop():
+                    return False
+                for j, (env, sl) in enumerate(zip(parts, slices)):
+                    ti = time.perf_counter()
+                    td = policy.result(asked[j])
+                    te = time.perf_counter()
+                    step = env.step(td[keys.ACTION])
+                    stats.inference_s += te - ti
+                    stats.env_s += time.perf_counter() - te
+                    obs[j] = self._record(bufs, sl, t, obs[j], td, step, stats)
+                    if t + 1 < self.num_steps:
+                        asked[j] = policy.submit("act", TensorDict({keys.OBS: obs[j]}, batch_size=[obs[j].shape[0]]))
+        finally:
+            self.obs = torch.cat(obs)
+            policy.cancel()       # an abandoned rollout's requests: their replies are not waited for
+        return True
+
+    def _record(self, b: dict, sl: slice, t: int, obs, td: TensorDict, step, stats: RolloutStats):
+        """Write step `t` of the envs `sl` (the acting policy's output `td`, the env's `step`) into
+        the rollout's tensors `b` (by key: no TensorDict lookups in the step loop); returns the
+        observation the next step acts on."""
+        if step.reward.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
+            step = self._to_device(step)
+        b[keys.OBS][sl, t] = obs
+        b[keys.ACTION][sl, t] = td[keys.ACTION]
+        b[keys.LOG_PROB][sl, t] = td[keys.LOG_PROB]
+        if self.stamps_versions:
+            b[keys.POLICY_VERSION][sl, t] = td[keys.POLICY_VERSION]
+        if self.with_value:
+            b[keys.VALUE][sl, t] = td[keys.VALUE]
+        b[keys.REWARD][sl, t] = step.reward
+        b[keys.TERMINATED][sl, t] = step.terminated
+        b[keys.TRUNCATED][sl, t] = step.truncated
+        if step.episode_returns:
+            self._episodes_ended(step, t, stats, b[keys.NEXT_VALUE][sl] if self.with_value else None,
+                                 b[keys.BOOTSTRAP_OBS][sl] if self.bootstrap_obs else None)
+        return step.obs
 
     def _claim_storage(self, reset_seeds: list[int] | None) -> tuple[int, TensorDict]:
         """The index of the storage this rollout fills and where it is assembled (that storage, or
@@ -186,20 +274,20 @@ class Collector:
             if boot_b is not None:
                 boot_b[trunc, t] = step.final_obs[trunc]
 
-    def _finish_values(self, out: TensorDict, term_b: torch.Tensor, trunc_b: torch.Tensor,
-                       val_b: torch.Tensor | None, nval_b: torch.Tensor | None, boot_b: torch.Tensor | None) -> None:
+    def _finish_values(self, out: TensorDict) -> None:
         """``done``, and V(s_{t+1}) for steps that did not end an episode: the next step's value,
         and for the last step the value of the observation after it (kept too with bootstrap
         observations)."""
         done_b = out[keys.DONE]
-        torch.logical_or(term_b, trunc_b, out=done_b)
-        if val_b is not None:
+        torch.logical_or(out[keys.TERMINATED], out[keys.TRUNCATED], out=done_b)
+        if self.with_value:
+            val_b, nval_b = out[keys.VALUE], out[keys.NEXT_VALUE]
             last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[self.env.num_envs]))
             following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
             nval_b.copy_(torch.where(done_b, nval_b, following))
-        if boot_b is not None:   # the observation after the last step, where that step did not end an episode
+        if self.bootstrap_obs:   # the observation after the last step, where that step did not end an episode
             open_end = ~done_b[:, -1]
-            boot_b[open_end, -1] = self.obs[open_end]
+            out[keys.BOOTSTRAP_OBS][open_end, -1] = self.obs[open_end]
 
     def _to_host(self, out: TensorDict, idx: int) -> None:
         """Copy a rollout assembled on the device into host storage `idx` (pinned), and wait for it."""

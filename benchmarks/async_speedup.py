@@ -118,6 +118,7 @@ class Variant:
     group: str = "unequal"             # variants compared with each other: the same inference hardware
     devices: str = ""                  # emulated devices: "one" shared by all actors, "own" one each, "" none;
                                        # "server": one inference server acts for all (actors.inference)
+    splits: int = 1                    # server: actors.server_splits (each actor's envs in this many parts)
 
     def __iter__(self):                # (label, buffer_type, actors, kind), as the tuples this replaced
         return iter((self.label, self.buffer_type, self.actors, self.kind))
@@ -137,6 +138,7 @@ VARIANTS = {
     "vla4-1dev": Variant("vla 4x16 shared", "vla", 4, "process", "1 device", "one"),
     "thread-1dev": Variant("thread 64", "vla", 1, "thread", "1 device", "one"),
     "server4-1dev": Variant("vla 4x16 server", "vla", 4, "process", "1 device", "server"),
+    "server4s2-1dev": Variant("vla 4x16 server, 2 parts", "vla", 4, "process", "1 device", "server", splits=2),
     "std4-4dev": Variant("standard 4x16", "standard", 4, "process", "4 devices", "own"),
     "vla4-4dev": Variant("vla 4x16", "vla", 4, "process", "4 devices", "own"),
     # Unequal (the earlier comparison): every actor adds --num-envs envs and an inference engine of its
@@ -203,7 +205,7 @@ def variant_overrides(args, v: Variant) -> list[str]:
     devices = {"one": ["dev0"], "own": [f"dev{i}" for i in range(actors)]}.get(v.devices, [])
     extra = [f"actors.emulated_devices={json.dumps(devices)}"] if devices and v.kind == "process" else []
     if v.devices == "server":   # the device is the server's: it batches the 4 actors' calls into one
-        extra = ["actors.inference=server"]
+        extra = ["actors.inference=server"] + ([f"actors.server_splits={v.splits}"] if v.splits > 1 else [])
     return list(args.sets) + extra + [
         f"trainer.buffer_type={buffer_type}",
         f"actors.num_actors={actors}",

@@ -228,6 +228,11 @@ class ActorsConfig:
     the others back by at most this."""
     server_queue: Annotated[int, Range(ge=1, le=100_000)] = 256
     """server: requests waiting for a batch, at most; more are dropped and counted (busy)."""
+    server_splits: Annotated[int, Range(ge=1, le=16)] = 1
+    """server: each actor steps its envs in this many parts, each with its own request in flight
+    (double-buffered sampling): while the server acts for one part, the actor steps another, so
+    the round trip to the server is hidden behind env steps. 1: one request for all envs, then wait.
+    actors.num_envs must split evenly, and for GRPO into whole groups."""
     rollout_transport: Literal["zmq", "ring"] = "zmq"
     """How rollouts reach the learner. zmq: in the rollout message (any host). ring: each actor
     writes into a ring of preallocated rollout slots that the learner owns on this host (a
@@ -873,9 +878,18 @@ def _check(cfg: Config) -> list[str]:
         if a.sync_every > 1:
             errors.append(f"actors.sync_every {a.sync_every} and actors.inference \"server\": the server takes every "
                           f"new version; choose one")
+        if a.num_envs % a.server_splits:
+            errors.append(f"actors.server_splits: {a.num_envs} envs (actors.num_envs) do not split into "
+                          f"{a.server_splits} equal parts")
+        elif grpo and alg.group_size > 0 and (a.num_envs // a.server_splits) % alg.group_size:
+            errors.append(f"actors.server_splits: parts of {a.num_envs // a.server_splits} envs split GRPO groups of "
+                          f"{alg.group_size} (algorithm.cfg.group_size); a group must be in one part")
         if a.emulated_devices:
             errors.append("actors.emulated_devices and actors.inference \"server\": each server is its device's "
                           "only user (its latency is actors.inference_latency_s + _per_env_s x batch); leave it empty")
+    elif a.server_splits > 1:
+        errors.append(f"actors.server_splits {a.server_splits} needs actors.inference \"server\" (a local copy "
+                      f"answers at once: there is no round trip to hide)")
     bad_ids = [i for i in a.slow_actor_ids if i >= a.num_actors]  # negative ids are out of Range
     if bad_ids:
         errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from actors.inference import (InferenceServer, InferenceStopped, RemotePolicy, bind_router, endpoint_path,
                               server_of, write_endpoint)
-from actors.rollout import Collector
+from actors.rollout import Collector, EnvParts
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire
 from shared.config import ConfigError, config_from_dict
@@ -208,6 +208,88 @@ def test_every_step_records_the_version_that_acted_across_a_weight_swap(served):
         torch.testing.assert_close(flat[keys.VALUE], value, rtol=1e-5, atol=1e-5)
 
 
+def test_envs_in_parts_keep_requests_in_flight_and_record_what_one_env_would(served):
+    """actors.server_splits: two parts of an actor's envs, each with its own request at the server.
+    The rollout is what one env of all four would have recorded for the same actions (observations,
+    rewards, ends, the truncated steps' bootstrap values), both requests were in flight at once, and
+    across a weight swap every step's version is the one whose weights chose its action."""
+    served.weights.publish(served.learner, 0)
+    w = {0: {k: v.clone() for k, v in served.learner.state_dict().items()}}
+    with torch.no_grad():
+        for p in served.learner.parameters():
+            p.add_(0.05)
+    w[1] = {k: v.clone() for k, v in served.learner.state_dict().items()}
+    served.start()
+    remote = served.remote(0)
+    in_flight, submit = [0], remote.submit
+
+    def counting_submit(kind, td):       # the most requests without a reply at once, and v1 mid-rollout
+        rid = submit(kind, td)
+        in_flight[0] = max(in_flight[0], len(remote._pending))
+        if rid == 12:
+            served.weights.publish(served.learner, 1)
+        return rid
+    remote.submit = counting_submit
+    kwargs = {"max_episode_steps": 5}
+    env = EnvParts([make_env(ENV, 2, kwargs), make_env(ENV, 2, kwargs)])
+    whole = make_env(ENV, 4, kwargs)
+    try:
+        col = Collector(env, remote, num_steps=12, seed=3)
+        assert col.pipelined
+        td, stats, _ = col.collect(version=-1)
+        assert in_flight[0] == 2 and not remote._pending and not remote._ready
+        # the same actions in one env of all four envs, from the same seeds
+        obs, final = whole.reset(seed=3), []
+        for t in range(12):
+            torch.testing.assert_close(td[keys.OBS][:, t], obs, rtol=0, atol=0)
+            step = whole.step(td[keys.ACTION][:, t])
+            for k, v in ((keys.REWARD, step.reward), (keys.TERMINATED, step.terminated),
+                         (keys.TRUNCATED, step.truncated)):
+                torch.testing.assert_close(td[k][:, t], v, rtol=0, atol=0)
+            final.append(step.final_obs)
+            obs = step.obs
+    finally:
+        env.close()
+        whole.close()
+    assert td[keys.TRUNCATED][:, 4].all() and td[keys.TRUNCATED][:, 9].all() and len(stats.episode_returns) == 8
+    versions = td[keys.POLICY_VERSION]
+    assert versions[:, 0].eq(0).all() and versions[:, -1].eq(1).all(), versions
+    assert bool((versions[:, 1:] >= versions[:, :-1]).all())
+    for v in (0, 1):
+        local = served.local(w[v])
+        acted = versions == v
+        flat = td[acted]
+        with torch.no_grad():
+            logp, _, value = local.evaluate_actions(flat)
+        torch.testing.assert_close(flat[keys.LOG_PROB], logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flat[keys.VALUE], value, rtol=1e-5, atol=1e-5)
+    # a truncated step bootstraps from V(its final observation), asked of the server mid-rollout by the
+    # version that acted at that step or the next one
+    for t in (4, 9):
+        for i in range(4):
+            with torch.no_grad():
+                want = {int(v): served.local(w[int(v)]).get_value(TensorDict({keys.OBS: final[t][i:i + 1]},
+                                                                               batch_size=[1]))[0]
+                        for v in versions[i, t:t + 2]}
+            got = td[keys.NEXT_VALUE][i, t]
+            assert any(torch.allclose(got, x, rtol=1e-5, atol=1e-5) for x in want.values()), (t, i, got, want)
+
+
+def test_env_parts_step_as_one_env_of_all_their_envs():
+    parts, whole = EnvParts([make_env(ENV, 1), make_env(ENV, 3)]), make_env(ENV, 4)
+    try:
+        assert parts.num_envs == 4 and parts.slices == [slice(0, 1), slice(1, 4)]
+        torch.testing.assert_close(parts.reset(seed=7), whole.reset(seed=7), rtol=0, atol=0)
+        torch.testing.assert_close(parts.reset(seed=[5, 5, 6, 6]), whole.reset(seed=[5, 5, 6, 6]), rtol=0, atol=0)
+        action = torch.rand(4, 1) * 4 - 2
+        a, b = parts.step(action), whole.step(action)
+        for x, y in zip(a[:5], b[:5]):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    finally:
+        parts.close()
+        whole.close()
+
+
 def test_a_silent_or_dead_actor_does_not_stall_the_others(tmp_path):
     s = Served(tmp_path, server_max_wait_ms=50.0)
     try:
@@ -317,6 +399,17 @@ def test_the_config_refuses_what_a_server_cannot_do():
     for bad in ({"weights_at": "rollout"}, {"sync_every": 2}, {"emulated_devices": ["d0"]}):
         with pytest.raises(ConfigError, match="inference"):
             _cfg(**bad)
+    with pytest.raises(ConfigError, match="server_splits: 4 envs .* do not split into 3"):
+        _cfg(server_splits=3)
+    with pytest.raises(ConfigError, match="server_splits 2 needs actors.inference"):
+        _cfg(server_splits=2, inference="local")
+    grpo = {"env": {"id": ENV}, "trainer": {"buffer_type": "vla", "buffer_size": 8}, "policy": {"name": "actor_only"},
+            "algorithm": {"name": "grpo", "cfg": {"batch_size": 32, "group_size": 4}},
+            "actors": {"num_envs": 8, "inference": "server", "server_splits": 4}}
+    with pytest.raises(ConfigError, match="parts of 2 envs split GRPO groups of 4"):
+        config_from_dict(grpo, source="test")
+    grpo["actors"]["server_splits"] = 2
+    assert config_from_dict(grpo, source="test").actors.server_splits == 2
 
 
 def test_with_curve_only_admitted_keys_are_served(tmp_path):

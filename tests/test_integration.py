@@ -631,12 +631,14 @@ def _sigterm_and_wait(run, run_dir) -> float:
 @pytest.mark.slow
 def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_server(tmp_path):
     """actors.inference "server" with the Reach token-VLA smoke config through the launcher: two
-    actors act through one server; the server is killed (SIGKILL) after the second update, the
-    launcher restarts it, the actors re-send to the new one, and the run ends normally. Every
+    actors act through one server, each with its envs in two parts (two requests in flight); the
+    server is killed (SIGKILL) after the second update, the launcher restarts it, the actors re-send
+    every request in flight to the new one, and the run ends normally. Every
     consumed rollout's steps were acted within the lag the run allows."""
     run_dir = tmp_path / "run"
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
-                 "--steps", "4096", "--set", "trainer.eval_freq=0", "--set", "actors.inference=server")
+                 "--steps", "4096", "--set", "trainer.eval_freq=0", "--set", "actors.inference=server",
+                 "--set", "actors.server_splits=2")
     killed: list[int] = []
 
     def kill_once() -> None:
