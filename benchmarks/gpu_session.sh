@@ -40,7 +40,8 @@
 #      held-out sets. Its arguments come from $TANDEM_REACH_GAINS (default: the GRPO config on seeds 1-3).
 #  11. inference-server: benchmarks/inference_server.py on the device: 8 actors x 4 envs of the 0.5B
 #      action-token model (bf16 autocast), actors.inference local (8 copies) against server (one copy,
-#      batched): env steps/s, the acting processes' device memory, the server's batches (issue 47)
+#      batched): env steps/s, the acting processes' device memory, the server's batches (issue 47); the
+#      model is built once (--prebuild) and loaded by every process, so the step needs under 3 minutes
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
 #      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
 #
@@ -204,13 +205,14 @@ if want reach-gains; then
   cp "$RUNS/reach_gains/gains.json" "$OUTDIR/" 2>/dev/null
 fi
 
-# Each run starts 9 processes that build the 0.5B model on the CPU (the same seeded weights in each):
-# on an H100 (2026-11-27) the actors' first rollout came 64 s after the launch, so 80 s per run was
-# too short for 1,024 steps; 150 s is not.
-want inference-server && step inference-server 330 "$PY" benchmarks/inference_server.py \
+# Each run starts 9 processes (8 local actors and the learner) that would each build the 0.5B model at
+# random on the CPU: on an H100 (2026-11-27) the actors' first rollout came 64 s after the launch. With
+# --prebuild the model is built once and every process loads it (about 2 s instead of 15-18 s of CPU
+# on the 2-core VM), so the two runs and the build fit 170 s.
+want inference-server && step inference-server 170 "$PY" benchmarks/inference_server.py \
   --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 1024 \
-  --buffer-size 8 --timeout 150 --set policy.vla_config.autocast=true --set learner.device=$DEV \
-  --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
+  --buffer-size 8 --timeout 75 --prebuild /tmp/tandem-0p5b --set policy.vla_config.autocast=true \
+  --set learner.device=$DEV --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
 if want reach-ds; then
   step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \
     --parallel 6 --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \

@@ -3,7 +3,8 @@ per device, batched), on the same work, in one sitting.
 
     .venv/bin/python benchmarks/inference_server.py [--config configs/cartpole_ppo.json] [--actors 1,2,4,8]
         [--num-envs 4] [--latency 0.2] [--latency-per-env 0.0] [--steps 4096] [--buffer-size 16]
-        [--device cpu] [--modes local,server] [--json out.json] [--set KEY=VALUE ...]
+        [--device cpu] [--modes local,server] [--server-splits 1] [--prebuild DIR] [--json out.json]
+        [--set KEY=VALUE ...]
 
 For every number of actors A in ``--actors`` and every mode, one ``launch/run_local.sh`` run in vla
 mode trains ``--steps`` env steps with A actors of ``--num-envs`` envs, one rollout of
@@ -23,6 +24,13 @@ CPU; on a GPU, the device memory ``nvidia-smi`` reports for them), the final ret
 mean batch in envs and in requests; then the ratio server / local at each A. The equal-hardware
 speed-up against standard mode and its overlap bound are ``benchmarks/async_speedup.py``'s (variant
 ``server4-1dev``).
+
+``--prebuild DIR``: a config whose VLA is built fresh from ``model_config`` (``model_path`` empty, as
+``configs/vla_tokens_reach_0p5b_smoke.json``) makes every process initialise the whole model at
+random, the same seeded weights in each: 15-18 s of CPU per process for the 0.5B model, nine times
+over with eight local actors. With ``--prebuild`` the model is built once, saved to DIR with its
+``save_pretrained`` and every process of every run loads it from there (about 2 s), so a few minutes
+of a lent GPU go to the measurement rather than to start-up.
 
 Nothing the script starts outlives it (each launcher is stopped with its process group).
 """
@@ -59,10 +67,35 @@ def overrides(args, actors: int, mode: str) -> list[str]:
     if args.device == "cpu":
         sets += [f"actors.inference_latency_s={args.latency}", f"actors.inference_latency_per_env_s={args.latency_per_env}"]
     if mode == "server":
-        sets += ["actors.inference=server", f"actors.server_max_wait_ms={args.max_wait_ms}"]
+        sets += ["actors.inference=server", f"actors.server_max_wait_ms={args.max_wait_ms}",
+                 f"actors.server_splits={args.server_splits}"]
     elif args.device == "cpu":
         sets += ['actors.emulated_devices=["dev0"]']
     return sets
+
+
+def prebuild(config: Path, sets: list[str], out: Path) -> list[str]:
+    """Build the config's fresh VLA once (seeded with ``trainer.seed``, as every process would) and save
+    it to `out`; returns the overrides that make every process load it instead."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+    from shared.config import load_config
+    from shared.policies.vla import load_vla_model
+
+    cfg = load_config(config, sets)
+    v = cfg.policy.vla_config
+    if cfg.policy.name != "vla" or v is None or v.model_path:
+        raise BenchmarkError(f"--prebuild: {config} does not build a VLA afresh (policy.name {cfg.policy.name!r}, "
+                             f"model_path {v.model_path if v else None!r}): nothing to build once")
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.trainer.seed)
+    model = load_vla_model("", v.model_class, v.model_config)
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise BenchmarkError(f"--prebuild: {v.model_class} has no save_pretrained")
+    model.save_pretrained(out)
+    print(f"[inference] built {v.model_class.rsplit('.', 1)[-1]} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+          f"parameters) once and saved it to {out} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return [f"policy.vla_config.model_path={out}"]
 
 
 def acting_pids(run_dir: Path) -> list[int]:
@@ -149,10 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--modes", default="local,server")
     p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--server-splits", type=int, default=1, help="server: actors.server_splits")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path)
     p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary one)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--prebuild", type=Path, metavar="DIR",
+                   help="build the config's fresh VLA once, save it here, and have every process load it")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_signal)
     import tempfile
@@ -164,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
           f"rollouts of {args.buffer_size}, device {args.device}"
           + (f", a = {args.latency} s + b = {args.latency_per_env} s x envs per call" if args.device == "cpu" else "")
           + f" | {info}")
+    if args.prebuild is not None:
+        try:
+            args.sets = list(args.sets) + prebuild(args.config, args.sets, args.prebuild)
+        except BenchmarkError as e:
+            print(e, file=sys.stderr)
+            return 2
     rows = []
     for a in counts:
         for mode in modes:

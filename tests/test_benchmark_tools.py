@@ -240,3 +240,31 @@ def test_reach_gains_run_parallel_bounds_and_stops_real_processes(tmp_path):
         reach_gains.run_parallel(["slow", "boom"], start, parallel=2, timeout_s=60.0)
     for p in started:
         assert p.poll() is not None and not group_members(p.pid)
+
+
+def test_prebuild_saves_the_fresh_vla_once_and_every_process_loads_the_same_weights(tmp_path):
+    import inference_server
+    from _common import BenchmarkError
+    from shared.config import load_config
+    from shared.envs import env_spec
+    from shared.policies import frozen_digest, make_policy
+    from shared.policies.vla import load_vla_model
+
+    config = ROOT / "configs" / "vla_tokens_reach_smoke.json"
+    sets = inference_server.prebuild(config, [], tmp_path / "model")
+    assert sets == [f"policy.vla_config.model_path={tmp_path / 'model'}"]
+    cfg = load_config(config, sets)
+    spec = env_spec(cfg.env.id, cfg.env.cfg)
+    torch.manual_seed(1)
+    first = make_policy(cfg, spec)
+    torch.manual_seed(2)                          # another process's seed: the weights are the file's
+    assert frozen_digest(make_policy(cfg, spec)) == frozen_digest(first)
+    fresh = load_config(config, [])
+    torch.manual_seed(fresh.trainer.seed)
+    built = load_vla_model("", fresh.policy.vla_config.model_class, fresh.policy.vla_config.model_config)
+    loaded = load_vla_model(str(tmp_path / "model"), fresh.policy.vla_config.model_class,
+                            fresh.policy.vla_config.model_config)
+    for (k, a), (_, b) in zip(built.state_dict().items(), loaded.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    with pytest.raises(BenchmarkError, match="does not build a VLA afresh"):
+        inference_server.prebuild(ROOT / "configs" / "cartpole_ppo.json", [], tmp_path / "none")
