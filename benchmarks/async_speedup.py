@@ -20,7 +20,8 @@ one device take turns, across processes; ``actors/emulated_device.py``):
 - 1 device: ``standard 1x64`` (one actor with every env), ``vla 4x16 shared`` (four actors of 16
   envs taking turns on the one device), ``vla 4x16 server`` (the four actors' calls batched into one
   by an inference server, ``actors.inference=server``, whose every call costs ``a + b x batch``),
-  ``thread 64`` (the seed's one-process design, the lock being the device);
+  ``vla 4x16 server, 2 parts`` (the same with ``actors.server_splits=2``: each actor steps half its
+  envs while the server acts for the other half), ``thread 64`` (the seed's one-process design, the lock being the device);
 - 4 devices: ``standard 4x16`` and ``vla 4x16``, an actor per device.
 
 For each group the table prints the speed-up over the group's standard variant on the training
