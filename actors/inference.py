@@ -248,13 +248,16 @@ class InferenceServer:
 
     def _receive(self, timeout_s: float) -> None:
         """Take requests off the socket: wait up to `timeout_s` for the first; after a servable one
-        is waiting, go on for at most ``server_max_wait_ms`` from its arrival, until the batch is full."""
+        is waiting, go on for at most ``server_max_wait_ms`` from its arrival, until the batch is full
+        (``server_max_batch`` envs, or a request from every served actor)."""
         deadline = time.perf_counter() + timeout_s
         while True:
             now = time.perf_counter()
             servable = [r for r in self.waiting if self._servable(r)]
             envs = sum(r.n for r in servable)
-            if envs >= self.max_batch:
+            # full: the most envs a batch takes, or a request from every actor (with server_splits an
+            # actor's other parts come only after it has stepped the envs this batch acts for)
+            if envs >= self.max_batch or len({r.actor for r in servable}) >= len(self.actors):
                 return
             if servable:
                 deadline = min(r.arrived for r in servable) + min(self.max_wait_s, 0.5 * self.forward_ema_s)
@@ -605,6 +608,8 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     from shared.transport import WeightsSubscriber, read_endpoints
 
     torch.set_num_threads(cfg.actors.torch_threads)
+    if cfg.actors.nice:   # an acting process like the actors it serves: the learner's update goes first
+        os.nice(cfg.actors.nice)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -275,6 +275,24 @@ def test_envs_in_parts_keep_requests_in_flight_and_record_what_one_env_would(ser
             assert any(torch.allclose(got, x, rtol=1e-5, atol=1e-5) for x in want.values()), (t, i, got, want)
 
 
+def test_a_batch_is_served_once_every_actor_has_a_request_in_it(tmp_path):
+    """With env parts no batch reaches every actor's envs: it is full, and served without waiting out
+    server_max_wait_ms, once each served actor has a request in it (their other parts come only after
+    they have stepped the envs this batch acts for)."""
+    s = Served(tmp_path, server_max_wait_ms=3000.0, server_splits=2)
+    try:
+        s.weights.publish(s.learner, 0)
+        s.start()
+        r0, r1 = s.remote(0), s.remote(1)
+        t0 = time.monotonic()
+        asked = [r0.submit("act", _obs(2, 0)), r1.submit("act", _obs(2, 1))]
+        r0.result(asked[0])
+        r1.result(asked[1])
+        assert time.monotonic() - t0 < 2.0 and s.server.counts["batches"] == 1, s.server.counts
+    finally:
+        s.close()
+
+
 def test_env_parts_step_as_one_env_of_all_their_envs():
     parts, whole = EnvParts([make_env(ENV, 1), make_env(ENV, 3)]), make_env(ENV, 4)
     try:
