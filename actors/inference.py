@@ -643,10 +643,10 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     try:
         return server.run()
     finally:
-        log.info("inference server %d: stopping after %d batches (%.1f envs each), %d malformed and %d busy "
-                 "requests dropped", server_id, server.counts["batches"],
-                 server.counts["envs"] / max(1, server.counts["batches"]), server.counts["malformed"],
-                 server.counts["busy"])
+        b = max(1, server.counts["batches"])
+        log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each), %d malformed "
+                 "and %d busy requests dropped", server_id, server.counts["batches"], server.counts["envs"] / b,
+                 server.counts["replies"] / b, server.counts["malformed"], server.counts["busy"])
         if writer is not None:
             writer.close()
         loader.close()

@@ -128,19 +128,21 @@ def memory_mib(pids: list[int], device: str) -> float:
 
 
 def server_batches(run_dir: Path) -> dict:
-    """The server's own account at its end: batches, mean envs per batch; and the mean requests per
-    batch of its progress lines."""
+    """The server's own account at its end: batches, mean envs and requests per batch (older logs:
+    the mean requests per batch of its progress lines)."""
     log = run_dir / "logs" / "inference_0.log"
     if not log.exists():
         return {}
     text = log.read_text(errors="replace")
     out = {}
-    m = re.findall(r"stopping after (\d+) batches \(([\d.]+) envs each\)", text)
-    if m:
-        out["batches"], out["batch_envs"] = int(m[-1][0]), float(m[-1][1])
     reqs = [float(x) for x in re.findall(r"envs \(max \d+\) from ([\d.]+) requests each", text)]
     if reqs:
         out["batch_requests"] = sum(reqs) / len(reqs)
+    m = re.findall(r"stopping after (\d+) batches \(([\d.]+) envs(?: from ([\d.]+) requests)? each\)", text)
+    if m:   # the server's account of its whole life (one incarnation's), when it logs one
+        out["batches"], out["batch_envs"] = int(m[-1][0]), float(m[-1][1])
+        if m[-1][2]:
+            out["batch_requests"] = float(m[-1][2])
     return out
 
 
