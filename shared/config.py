@@ -196,9 +196,9 @@ class ActorsConfig:
     torch_threads: Annotated[int, Range(ge=1)] = 1
     """Intra-op threads of each actor process (``torch.set_num_threads``)."""
     nice: Annotated[int, Range(ge=0, le=19)] = 0
-    """Scheduling niceness of the actor processes and the inference servers (os.nice). Where they and the learner share
-    too few cores and the learner is the bottleneck (vla mode, a learner on the CPU), a few points
-    let the learner's update run first and the actors take what it leaves."""
+    """Scheduling niceness of the actor processes and the inference servers (os.nice). Where they
+    and the learner share too few cores and the learner is the bottleneck (vla mode, a learner on
+    the CPU), a few points let the learner's update run first and the actors take what it leaves."""
     slowdown_s: Annotated[float, Range(ge=0)] = 0.0
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
     inference_latency_s: Annotated[float, Range(ge=0)] = 0.0
