@@ -1,4 +1,4 @@
-"""``python -m actors --config C --actor-id I [--run-dir D | --endpoints F]``: one actor process."""
+"""``python -m actors --config C --actor-id I [--run-dir D] [--endpoints F]``: one actor process."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m actors", description=__doc__)
     p.add_argument("--config", required=True, help="JSON config file")
     p.add_argument("--actor-id", type=int, required=True, help="0..num_actors-1")
-    p.add_argument("--run-dir", type=Path, help="run directory of the learner (reads endpoints.json there)")
+    p.add_argument("--run-dir", type=Path, help="run directory of the learner (reads endpoints.json there, unless "
+                   "--endpoints says where; the inference servers' files and emulated devices' locks are there)")
     p.add_argument("--endpoints", type=Path, help="path of the learner's endpoints.json (another host: copy it)")
     p.add_argument("--device", help="override the device (default: actors.devices[id % len])")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.wire import WireError
     try:
         return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
-                                 learner_timeout_s=args.learner_timeout, lock_dir=path.parent)
+                                 learner_timeout_s=args.learner_timeout, lock_dir=args.run_dir or path.parent)
     except KeyFileError as e:
         print(f"actor {args.actor_id}: {e}", file=sys.stderr)
         return 2

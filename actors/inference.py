@@ -593,9 +593,11 @@ def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str) ->
     return incarnation
 
 
-def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeout_s: float = 120.0) -> int:
-    """Entry point of one inference server process: the policy on its device, the learner's weights,
-    the actors' requests, until the learner ends the run (or SIGTERM)."""
+def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeout_s: float = 120.0,
+                       endpoints_path: Path | None = None, device: str | None = None) -> int:
+    """Entry point of one inference server process: the policy on its device (`device`, else its
+    entry of :func:`server_devices`), the learner's weights (from `endpoints_path`, else the run
+    directory's endpoints.json), the actors' requests, until the learner ends the run (or SIGTERM)."""
     import signal
     import threading
 
@@ -613,9 +615,9 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    device = torch.device(server_devices(cfg)[server_id])
+    device = torch.device(device or server_devices(cfg)[server_id])
     torch.manual_seed(cfg.trainer.seed * 7919 + 104729 + server_id)
-    endpoints = read_endpoints(Path(run_dir) / "endpoints.json", timeout_s=learner_timeout_s)
+    endpoints = read_endpoints(endpoints_path or Path(run_dir) / "endpoints.json", timeout_s=learner_timeout_s)
     spec = env_spec(cfg.env.id, cfg.env.cfg)
     policy = make_policy(cfg, spec).to(device).eval()
     loader = WeightsLoader(policy, device, cfg.actors, frozen_digest(policy), f"inference server {server_id}")
@@ -666,7 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m actors.inference", description=main.__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--server-id", type=int, required=True, help="index into the distinct actors.devices")
-    p.add_argument("--run-dir", type=Path, required=True, help="the learner's run directory")
+    p.add_argument("--run-dir", type=Path, required=True, help="the run directory (the server's endpoint file "
+                   "goes there, where its actors look for it)")
+    p.add_argument("--endpoints", type=Path, help="the learner's endpoints.json (default: RUN_DIR/endpoints.json)")
+    p.add_argument("--device", help="the device instead of the config's (a Ray bundle's GPU is cuda:0)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--learner-timeout", type=float, default=120.0)
     args = p.parse_args(argv)
@@ -682,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        return run_server_process(cfg, args.server_id, args.run_dir, args.learner_timeout)
+        return run_server_process(cfg, args.server_id, args.run_dir, args.learner_timeout, args.endpoints,
+                                  args.device)
     except TimeoutError as e:
         print(e, file=sys.stderr)
         return 1

@@ -3,9 +3,12 @@
     python launch/run_ray.py --config FILE [--address auto|HOST:PORT] [--actors N] [--steps S] [--out DIR]
                              [--resume] [--no-eval] [--set KEY=VALUE ...]
 
-Without --address it starts a local Ray instance (one node). Each learner rank and each actor is a
-bundle of the placement group (``launch.ray`` in the config: resources per role, strategy) and a thin
-Ray actor (runners/ray_hosts.py) that owns one ``python -m learner`` / ``python -m actors`` process.
+Without --address it starts a local Ray instance (one node). Each learner rank, each actor and, with
+``actors.inference: server``, each inference server is a bundle of the placement group (``launch.ray``
+in the config: resources per role, strategy) and a thin Ray actor (runners/ray_hosts.py) that owns one
+``python -m learner`` / ``python -m actors`` / ``python -m actors.inference`` process. A server must
+share a node with every actor it serves (it listens on loopback and they find it by a file in the
+run directory on that node): a placement that splits them is refused.
 The launcher sets the learner ranks' torch.distributed environment itself (no torchrun); actors get
 the learner's endpoints from the run's named Ray actor, and rank 0 still writes OUT/endpoints.json.
 A failed actor is restarted by Ray (at most TANDEM_MAX_RESTARTS times, default 3, with back-off); if
@@ -106,10 +109,21 @@ def rank_overrides(cfg: Config, ip: str, across_nodes: bool, resources: dict) ->
     return sets
 
 
-def check_placement(cfg: Config, rank_nodes: list[str], actor_nodes: list[str]) -> list[str]:
-    """Same-host transports refused where the placement put an actor on another node than rank 0."""
+def check_placement(cfg: Config, rank_nodes: list[str], actor_nodes: list[str],
+                    server_nodes: list[str] = ()) -> list[str]:
+    """Same-host transports refused where the placement put an actor on another node than rank 0, and
+    an inference server on another node than an actor it serves."""
     remote = [i for i, n in enumerate(actor_nodes) if n != rank_nodes[0]]
     errors = []
+    if server_nodes:
+        from actors.inference import server_of
+        apart = [(i, server_of(cfg, i)) for i, n in enumerate(actor_nodes) if n != server_nodes[server_of(cfg, i)]]
+        if apart:
+            errors.append(f"actors.inference \"server\": actors {[i for i, _ in apart]} were placed on other nodes "
+                          f"than their inference servers ({sorted({s for _, s in apart})}); a server serves only "
+                          f"its own node (use launch.ray.strategy \"STRICT_PACK\", or pin each server and its "
+                          f"actors to one node with a custom resource in launch.ray.server_resources and "
+                          f"actor_resources)")
     if remote and cfg.learner.weights_transport in ("shm", "cuda_ipc"):
         errors.append(f"learner.weights_transport \"{cfg.learner.weights_transport}\": the weights ring is in the "
                       f"memory of rank 0's node, "
@@ -135,6 +149,11 @@ class RayRun:
         self.marker = f".run_ray-{self.tag}"
         self.ranks: list = []
         self.actors: list = []
+        self.servers: list = []
+        self.n_servers = 0
+        if cfg.actors.inference == "server":
+            from actors.inference import server_devices
+            self.n_servers = len(server_devices(cfg))
         self.pg = None
         self.registry = RunRegistry.options(name=self.registry_name, namespace=NAMESPACE).remote()
         self.max_restarts = int(os.environ.get("TANDEM_MAX_RESTARTS", "3"))
@@ -144,11 +163,13 @@ class RayRun:
 
     # ------------------------------------------------------------------ placement
     def place(self) -> list[str] | None:
-        """Reserve every bundle; returns the node id of each (ranks first), or None if stopped first."""
+        """Reserve every bundle; returns the node id of each (ranks, then actors, then inference
+        servers), or None if stopped first."""
         from ray.util.placement_group import placement_group, placement_group_table
         r = self.cfg.launch.ray
         bundles = [r.learner_resources[i % len(r.learner_resources)] for i in range(self.world)]
         bundles += [r.actor_resources[i % len(r.actor_resources)] for i in range(self.cfg.actors.num_actors)]
+        bundles += [r.server_resources[s % len(r.server_resources)] for s in range(self.n_servers)]
         self.bundles = [{k: float(v) for k, v in b.items()} for b in bundles]
         self.pg = placement_group(self.bundles, strategy=r.strategy, name=f"tandem-{self.tag}")
         start = time.monotonic()
@@ -214,14 +235,26 @@ class RayRun:
         return None
 
     def start_actors(self, endpoints: dict) -> None:
+        """The inference servers (if any), then the actors; each restarted by Ray when it fails."""
         ray, cfg = self.ray, self.cfg
         ray.get(self.registry.set_endpoints.remote(endpoints))
         sets = _set_args(self.overrides)
+        for s in range(self.n_servers):
+            b = self.world + cfg.actors.num_actors + s
+            device = ["--device", "cuda:0"] if self.bundles[b].get("GPU", 0) > 0 else []
+            spec = self._spec(f"inference_{s}", ["-m", "actors.inference", "--config", "{config}", "--server-id",
+                                                 str(s), "--run-dir", str(self.out), "--endpoints", "{endpoints}",
+                                                 *device, *sets],
+                              supervised=True, max_restarts=self.max_restarts)
+            opts = _ray_options(self.bundles[b], self.pg, b)
+            self.servers.append(self.ProcessHost.options(max_restarts=self.max_restarts, **opts).remote(spec, True))
+        # with servers, an actor finds its server's file in the run directory on its node
+        run_dir = ["--run-dir", str(self.out)] if self.n_servers else []
         for i in range(cfg.actors.num_actors):
             b = self.world + i
             device = ["--device", "cuda:0"] if self.bundles[b].get("GPU", 0) > 0 else []
             spec = self._spec(f"actor_{i}", ["-m", "actors", "--config", "{config}", "--actor-id", str(i),
-                                             "--endpoints", "{endpoints}", *device, *sets],
+                                             "--endpoints", "{endpoints}", *run_dir, *device, *sets],
                               supervised=True, max_restarts=self.max_restarts)
             opts = _ray_options(self.bundles[b], self.pg, b)
             self.actors.append(self.ProcessHost.options(max_restarts=self.max_restarts, **opts).remote(spec, True))
@@ -253,20 +286,21 @@ class RayRun:
     def shutdown(self) -> None:
         """TERM every child through its host and give it time, then kill the hosts and free the bundles."""
         ray = self.ray
-        calls = [h.stop.remote(LEARNER_STOP_S) for h in self.ranks] + [h.stop.remote(ACTOR_STOP_S) for h in self.actors]
+        calls = [h.stop.remote(LEARNER_STOP_S) for h in self.ranks] + \
+            [h.stop.remote(ACTOR_STOP_S) for h in [*self.actors, *self.servers]]
         for c in calls:
             try:
                 ray.get(c, timeout=LEARNER_STOP_S + 10)
             except Exception:  # noqa: BLE001 - a host that died or is restarting: killed below
                 pass
         self.collect_logs()
-        for h in [*self.ranks, *self.actors]:
+        for h in [*self.ranks, *self.actors, *self.servers]:
             try:
                 h.cleanup.remote()
             except Exception:  # noqa: BLE001
                 pass
         time.sleep(0.2)
-        for h in [*self.ranks, *self.actors, self.registry]:
+        for h in [*self.ranks, *self.actors, *self.servers, self.registry]:
             ray.kill(h, no_restart=True)
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
@@ -276,7 +310,7 @@ class RayRun:
         """Where a node does not share the run directory, bring its logs here (checkpoints stay on rank 0's node)."""
         (self.out / self.marker).touch()
         try:
-            for h in [*self.ranks, *self.actors]:
+            for h in [*self.ranks, *self.actors, *self.servers]:
                 try:
                     files = self.ray.get(h.collect.remote(self.marker), timeout=30)
                 except Exception:  # noqa: BLE001
@@ -304,10 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    if cfg.actors.inference == "server":
-        print("run_ray.py: actors.inference \"server\" is not placed by Ray yet; use launch/run_local.sh",
-              file=sys.stderr)
-        return 2
     try:
         import ray
     except ImportError:
@@ -321,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         cpus = sum(r.learner_resources[i % len(r.learner_resources)].get("CPU", 0)
                    for i in range(max(1, len(cfg.learner.devices))))
         cpus += sum(r.actor_resources[i % len(r.actor_resources)].get("CPU", 0) for i in range(cfg.actors.num_actors))
+        if cfg.actors.inference == "server":
+            from actors.inference import server_devices
+            cpus += sum(r.server_resources[s % len(r.server_resources)].get("CPU", 0)
+                        for s in range(len(server_devices(cfg))))
         ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
                  num_cpus=max(os.cpu_count() or 1, int(-(-cpus // 1))))
     else:
@@ -332,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         nodes = run.place()
         if nodes is None:
             status = stop.exit_code
-        elif errors := check_placement(cfg, nodes[:run.world], nodes[run.world:]):
+        elif errors := check_placement(cfg, nodes[:run.world], nodes[run.world:run.world + cfg.actors.num_actors],
+                                       nodes[run.world + cfg.actors.num_actors:]):
             print("run_ray.py: " + "\n  ".join(errors), file=sys.stderr)
             status = 2
         elif (endpoints := run.start_learner(nodes)) is None:

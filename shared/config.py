@@ -602,14 +602,19 @@ ALGORITHM_CONFIGS = {"ppo": PPOConfig, "grpo": GRPOConfig}
 
 @dataclass
 class RayLaunchConfig:
-    """``launch/run_ray.py``: one placement group holds a bundle per learner rank and per actor;
-    each bundle's Ray actor owns one Tandem process (docs/guides/multi_node.md)."""
+    """``launch/run_ray.py``: one placement group holds a bundle per learner rank, per actor and per
+    inference server; each bundle's Ray actor owns one Tandem process (docs/guides/multi_node.md)."""
     learner_resources: list[dict] = field(default_factory=lambda: [{"CPU": 1}])
     """Ray resources of each learner rank's bundle: one entry for every rank, or one per rank (rank r
     takes entry r). GPUs may be fractional ({"CPU": 1, "GPU": 0.5}); a custom resource pins a role
     to the nodes started with it (``ray start --resources '{"node_a": 1}'``, then {"node_a": 0.01})."""
     actor_resources: list[dict] = field(default_factory=lambda: [{"CPU": 1}])
     """Ray resources of each actor's bundle: actor i takes entry i % len (same forms as above)."""
+    server_resources: list[dict] = field(default_factory=lambda: [{"CPU": 1}])
+    """actors.inference "server": Ray resources of each inference server's bundle (server s takes
+    entry s % len; same forms as above). A server holds the model (give it the GPU; its actors then
+    need none) and must be placed on the node of every actor it serves: use strategy STRICT_PACK, or
+    pin servers and actors to a node with a custom resource."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement group strategy: PACK fills few nodes, SPREAD spreads over many (best effort);
     STRICT_* fail rather than bend."""

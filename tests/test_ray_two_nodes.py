@@ -2,7 +2,9 @@
 network namespace joined by a veth pair (10.200.T.0/24), Ray's token authentication on. Two gloo
 learner ranks sit on different nodes and each actor sends across the link, with CURVE on every
 socket; a keyless peer is refused and counted; a SIGKILLed actor is restarted by Ray and training
-goes on; SIGTERM to the driver writes a final checkpoint that loads, and leaves nothing running.
+goes on; SIGTERM to the driver writes a final checkpoint that loads, and leaves nothing running. A
+second run places an inference server and the actors it serves on the worker node, the learner on
+the head.
 
 Skipped, with the reason, without Ray (``pip install -e '.[ray]'``) or where network namespaces
 cannot be made (not root, no ``ip``, no CAP_NET_ADMIN)."""
@@ -189,3 +191,39 @@ def test_run_ray_two_nodes_gloo_ranks_curve_restart_and_sigterm(ray_two_nodes, t
     refused = [m["wire/auth_refused"] for m in read_jsonl(run / "metrics.jsonl") if "wire/auth_refused" in m]
     assert refused and refused[-1] >= 1                     # the keyless peer was refused and counted
     assert "Ray restarts it" in output and not (run / "endpoints.json").exists()
+
+
+def test_run_ray_places_an_inference_server_with_its_actors_on_another_node(ray_two_nodes, tmp_path):
+    """actors.inference "server" through run_ray.py: the learner on the head node, the inference
+    server and both actors it serves on the worker node (their bundles pinned there); the server takes
+    the learner's weights across the link, the actors find it by its file in the run directory, the run
+    ends normally and leaves nothing running."""
+    cluster = ray_two_nodes
+    run, log = tmp_path / "run", tmp_path / "driver.log"
+    sets = {"actors.inference": "server", "actors.server_splits": 2, "trainer.buffer_type": "vla",
+            "launch.ray.learner_resources": '[{"CPU":1,"node_a":0.01}]',
+            "launch.ray.actor_resources": '[{"CPU":0.5,"node_b":0.01}]',
+            "launch.ray.server_resources": '[{"CPU":0.5,"node_b":0.01}]'}
+    argv = [sys.executable, str(ROOT / "launch" / "run_ray.py"), "--config", str(CONFIG), "--address",
+            cluster["address"], "--steps", "4096", "--out", str(run), "--no-eval",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    driver = subprocess.Popen(argv, cwd=ROOT, env=cluster["env"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        rc = driver.wait(timeout=180)
+    finally:
+        stop_process_groups([driver], grace_s=30)
+    output = log.read_text()
+    assert rc == 0, output[-4000:]
+    worker_ip = cluster["address"].split(":")[0].rsplit(".", 1)[0] + ".2"
+    assert re.search(rf"inference_0: pid \d+ on {re.escape(worker_ip)}", output), output[-4000:]
+    started = {int(p) for p in re.findall(r"(?:actor_\d|learner|inference_\d): pid (\d+)", output)}
+    assert len(started) == 4, output[-4000:]
+    time.sleep(1.0)
+    assert not [p for p in started if _alive(p)], output[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["env_steps"] >= 4096 and summary["malformed"] == 0, summary
+    consumed = {e["actor"] for e in read_jsonl(run / "versions.jsonl") if e["event"] == "consume"}
+    assert consumed == {0, 1}
+    server_log = (run / "logs" / "inference_0.log").read_text()
+    assert "inference server 0 on cpu for actors [0, 1]" in server_log and "the learner stopped the run" in server_log

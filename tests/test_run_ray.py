@@ -86,6 +86,17 @@ def test_same_host_transports_are_refused_for_actors_on_other_nodes():
     assert rr.check_placement(_cfg(), ["node-a"], ["node-b", "node-b"]) == []
 
 
+def test_an_inference_server_placed_apart_from_its_actors_is_refused():
+    rr = _run_ray()
+    served = _cfg("actors.inference=server", 'actors.devices=["cuda:0","cuda:1"]', "actors.num_actors=3",
+                  "trainer.buffer_type=vla")
+    errors = rr.check_placement(served, ["node-a"], ["node-b", "node-c", "node-b"], ["node-b", "node-c"])
+    assert errors == []                                   # actors 0 and 2 with server 0, actor 1 with server 1
+    errors = rr.check_placement(served, ["node-a"], ["node-b", "node-b", "node-c"], ["node-b", "node-c"])
+    assert len(errors) == 1 and "actors [1, 2]" in errors[0] and "servers ([0, 1])" in errors[0], errors
+    assert "STRICT_PACK" in errors[0] and "server_resources" in errors[0]
+
+
 def test_all_gather_text_through_gloo_without_pickle(tmp_path):
     import torch.distributed as dist
     from learner.distributed import Ranks
