@@ -60,8 +60,9 @@ def _descendants(pid: int) -> set[int]:
         return set()
 
 
-@pytest.fixture
-def ray_two_nodes(tmp_path):
+@pytest.fixture(scope="module")
+def ray_two_nodes(tmp_path_factory):
+    """One cluster for the module's runs (each run has its own directory and placement group)."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     if shutil.which("ip") is None:
         pytest.skip("no 'ip' command (iproute2) to make network namespaces")
@@ -91,7 +92,8 @@ def ray_two_nodes(tmp_path):
             probe_port.bind((head_ip, 0))
             port = probe_port.getsockname()[1]
         common = ["--num-cpus", "2", "--object-store-memory", str(80 << 20), "--disable-usage-stats", "--block"]
-        head_log, worker_log = tmp_path / "ray_head.log", tmp_path / "ray_worker.log"
+        logs = tmp_path_factory.mktemp("ray_nodes")
+        head_log, worker_log = logs / "ray_head.log", logs / "ray_worker.log"
         nodes.append(subprocess.Popen(
             [str(RAY), "start", "--head", "--node-ip-address", head_ip, "--port", str(port), "--temp-dir", str(temp),
              "--include-dashboard=false", "--resources", '{"node_a": 1}', *common],
