@@ -236,28 +236,27 @@ class RayRun:
 
     def start_actors(self, endpoints: dict) -> None:
         """The inference servers (if any), then the actors; each restarted by Ray when it fails."""
-        ray, cfg = self.ray, self.cfg
-        ray.get(self.registry.set_endpoints.remote(endpoints))
-        sets = _set_args(self.overrides)
+        cfg = self.cfg
+        self.ray.get(self.registry.set_endpoints.remote(endpoints))
         for s in range(self.n_servers):
-            b = self.world + cfg.actors.num_actors + s
-            device = ["--device", "cuda:0"] if self.bundles[b].get("GPU", 0) > 0 else []
-            spec = self._spec(f"inference_{s}", ["-m", "actors.inference", "--config", "{config}", "--server-id",
-                                                 str(s), "--run-dir", str(self.out), "--endpoints", "{endpoints}",
-                                                 *device, *sets],
-                              supervised=True, max_restarts=self.max_restarts)
-            opts = _ray_options(self.bundles[b], self.pg, b)
-            self.servers.append(self.ProcessHost.options(max_restarts=self.max_restarts, **opts).remote(spec, True))
+            self.servers.append(self._supervised(f"inference_{s}", self.world + cfg.actors.num_actors + s,
+                                                 ["-m", "actors.inference", "--server-id", str(s),
+                                                  "--run-dir", str(self.out)]))
         # with servers, an actor finds its server's file in the run directory on its node
         run_dir = ["--run-dir", str(self.out)] if self.n_servers else []
         for i in range(cfg.actors.num_actors):
-            b = self.world + i
-            device = ["--device", "cuda:0"] if self.bundles[b].get("GPU", 0) > 0 else []
-            spec = self._spec(f"actor_{i}", ["-m", "actors", "--config", "{config}", "--actor-id", str(i),
-                                             "--endpoints", "{endpoints}", *run_dir, *device, *sets],
-                              supervised=True, max_restarts=self.max_restarts)
-            opts = _ray_options(self.bundles[b], self.pg, b)
-            self.actors.append(self.ProcessHost.options(max_restarts=self.max_restarts, **opts).remote(spec, True))
+            self.actors.append(self._supervised(f"actor_{i}", self.world + i,
+                                                ["-m", "actors", "--actor-id", str(i), *run_dir]))
+
+    def _supervised(self, name: str, bundle: int, argv: list[str]):
+        """The host of one process that Ray restarts when it fails, in bundle `bundle`, given the config,
+        the learner's endpoints, the run's overrides and ``--device cuda:0`` where its bundle has a GPU."""
+        device = ["--device", "cuda:0"] if self.bundles[bundle].get("GPU", 0) > 0 else []
+        spec = self._spec(name, [*argv, "--config", "{config}", "--endpoints", "{endpoints}", *device,
+                                 *_set_args(self.overrides)],
+                          supervised=True, max_restarts=self.max_restarts)
+        opts = _ray_options(self.bundles[bundle], self.pg, bundle)
+        return self.ProcessHost.options(max_restarts=self.max_restarts, **opts).remote(spec, True)
 
     # ------------------------------------------------------------------ supervise and stop
     def supervise(self) -> int:
