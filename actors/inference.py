@@ -649,6 +649,9 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each), %d malformed "
                  "and %d busy requests dropped", server_id, server.counts["batches"], server.counts["envs"] / b,
                  server.counts["replies"] / b, server.counts["malformed"], server.counts["busy"])
+        if device.type == "cuda":   # where the server's device memory goes: the caching allocator's peaks
+            log.info("inference server %d: peak device memory %.0f MiB allocated, %.0f MiB reserved", server_id,
+                     torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20)
         if writer is not None:
             writer.close()
         loader.close()

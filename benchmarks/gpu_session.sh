@@ -41,7 +41,7 @@
 #  11. inference-server: benchmarks/inference_server.py on the device: 8 actors x 4 envs of the 0.5B
 #      action-token model (bf16 autocast), actors.inference local (8 copies) against server (one copy,
 #      batched): env steps/s, the acting processes' device memory, the server's batches (issue 47); the
-#      model is built once (--prebuild) and loaded by every process, so the step needs under 3 minutes
+#      model is built once (--prebuild) and loaded by every process, so the step needs about 3.5 minutes
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
 #      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
 #
@@ -208,10 +208,11 @@ fi
 # Each run starts 9 processes (8 local actors and the learner) that would each build the 0.5B model at
 # random on the CPU: on an H100 (2026-11-27) the actors' first rollout came 64 s after the launch. With
 # --prebuild the model is built once and every process loads it (about 2 s instead of 15-18 s of CPU
-# on the 2-core VM), so the two runs and the build fit 170 s.
-want inference-server && step inference-server 170 "$PY" benchmarks/inference_server.py \
-  --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 1024 \
-  --buffer-size 8 --timeout 75 --prebuild /tmp/tandem-0p5b --set policy.vla_config.autocast=true \
+# on the 2-core VM). 1,024 steps (4 rounds of the 8 actors) gave windows of 3.5-6.5 s on an H200
+# (2026-11-27), too short to compare; 4,096 steps make the two runs and the build about 200 s.
+want inference-server && step inference-server 250 "$PY" benchmarks/inference_server.py \
+  --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 \
+  --buffer-size 8 --timeout 115 --prebuild /tmp/tandem-0p5b --set policy.vla_config.autocast=true \
   --set learner.device=$DEV --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
 if want reach-ds; then
   step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \

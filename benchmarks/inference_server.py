@@ -138,6 +138,12 @@ def server_batches(run_dir: Path) -> dict:
     reqs = [float(x) for x in re.findall(r"envs \(max \d+\) from ([\d.]+) requests each", text)]
     if reqs:
         out["batch_requests"] = sum(reqs) / len(reqs)
+    ms = [float(x) for x in re.findall(r"([\d.]+) ms per batch", text)]
+    if ms:   # the mean of its progress lines' windows
+        out["forward_ms"] = sum(ms) / len(ms)
+    peak = re.findall(r"peak device memory (\d+) MiB allocated, (\d+) MiB reserved", text)
+    if peak:
+        out["server_allocated_mib"], out["server_reserved_mib"] = float(peak[-1][0]), float(peak[-1][1])
     m = re.findall(r"stopping after (\d+) batches \(([\d.]+) envs(?: from ([\d.]+) requests)? each\)", text)
     if m:   # the server's account of its whole life (one incarnation's), when it logs one
         out["batches"], out["batch_envs"] = int(m[-1][0]), float(m[-1][1])
@@ -167,7 +173,10 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     window = s["last_rollout_time"] - s["first_rollout_time"]
     row = {"mode": mode, "actors": actors, "envs": actors * args.num_envs, "wall_s": wall, "window_s": window,
            "env_steps": s["env_steps"], "sps": s["env_steps"] / window if window > 0 else None,
-           "peak_mib": peak, "return": s.get("last_eval/return_mean"), "updates": s["updates"]}
+           "peak_mib": peak, "return": s.get("last_eval/return_mean"), "updates": s["updates"],
+           # the learner's side: its update time, and what collection sent that it never trained on
+           "update_s": s.get("time/update_wall_s", 0.0) / max(1, s["updates"]),
+           "dropped_lag": s.get("dropped_lag"), "overwritten": s.get("overwritten")}
     row.update(server_batches(run_dir) if mode == "server" else {})
     return row
 
@@ -218,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[inference] {mode} x{a} failed: {e}", file=sys.stderr)
             rows.append(row)
             if "sps" in row:
-                extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests"
-                         if mode == "server" else "")
+                extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests, "
+                         f"{row.get('forward_ms', float('nan')):.1f} ms per batch" if mode == "server" else "")
+                extra += (f" | update {row['update_s']:.2f} s, {row['dropped_lag']} rollouts dropped for lag, "
+                          f"{row['overwritten']} overwritten")
                 print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s, peak {row['peak_mib']:8.0f} MiB, "
                       f"return {row['return']}{extra}", flush=True)
     by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}

@@ -268,3 +268,17 @@ def test_prebuild_saves_the_fresh_vla_once_and_every_process_loads_the_same_weig
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
     with pytest.raises(BenchmarkError, match="does not build a VLA afresh"):
         inference_server.prebuild(ROOT / "configs" / "cartpole_ppo.json", [], tmp_path / "none")
+
+
+def test_server_batches_reads_the_servers_own_account_from_its_log(tmp_path):
+    import inference_server
+    assert inference_server.server_batches(tmp_path) == {}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "inference_0.log").write_text(
+        "inference server 0: v0 | 32 batches, 27.0 envs (max 32) from 6.8 requests each, 110.3 ms per batch, busy 70%\n"
+        "inference server 0: v2 | 16 batches, 30.0 envs (max 32) from 7.2 requests each, 90.7 ms per batch, busy 60%\n"
+        "inference server 0: stopping after 48 batches (27.9 envs from 6.98 requests each), 0 malformed and 0 busy\n"
+        "inference server 0: peak device memory 2380 MiB allocated, 7600 MiB reserved\n")
+    got = inference_server.server_batches(tmp_path)
+    assert got == {"batch_requests": 6.98, "batches": 48, "batch_envs": 27.9, "forward_ms": pytest.approx(100.5),
+                   "server_allocated_mib": 2380.0, "server_reserved_mib": 7600.0}
