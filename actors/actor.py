@@ -74,7 +74,8 @@ class Actor:
         torch.manual_seed(seed)
         # with a server, actors.server_splits parts of the envs, each with its own request in flight
         k = cfg.actors.server_splits if remote is not None else 1
-        envs = [make_env(cfg.env.id, cfg.actors.num_envs // k, cfg.env.cfg, self.device,
+        self.env_device = torch.device(cfg.env.device or self.device)
+        envs = [make_env(cfg.env.id, cfg.actors.num_envs // k, cfg.env.cfg, self.env_device,
                          tokenizer=instruction_tokenizer(cfg)) for _ in range(k)]
         self.env = envs[0] if k == 1 else EnvParts(envs)
         # actors.inference "server": the policy is the device's inference server (actors/inference.py);
@@ -342,13 +343,15 @@ class Actor:
 
     def run(self) -> int:
         if self.remote is not None:
-            log.info("actor %d: acting through the inference server (%s)", self.actor_id, self.remote.path)
+            log.info("actor %d: acting through the inference server (%s), envs on %s", self.actor_id,
+                     self.remote.path, self.env_device)
             while not self.stop_event.is_set() and self.step_once():
                 pass
             return 1 if self.failed else 0
         if not self._wait_for_version(-1):
             return 1 if self.failed else 0
-        log.info("actor %d: running on %s with weights version %d", self.actor_id, self.device, self.version)
+        log.info("actor %d: running on %s%s with weights version %d", self.actor_id, self.device,
+                 f" (envs on {self.env_device})" if self.env_device != self.device else "", self.version)
         while not self.stop_event.is_set() and self.step_once():
             pass
         return 1 if self.failed else 0

@@ -209,9 +209,11 @@ fi
 # random on the CPU: on an H100 (2026-11-27) the actors' first rollout came 64 s after the launch. With
 # --prebuild the model is built once and every process loads it (about 2 s instead of 15-18 s of CPU
 # on the 2-core VM). 1,024 steps (4 rounds of the 8 actors) gave windows of 3.5-6.5 s on an H200
-# (2026-11-27), too short to compare; 4,096 steps make the two runs and the build about 200 s.
+# (2026-11-27), too short to compare; 4,096 steps make the two runs and the build about 200 s. Both
+# modes step Reach on the CPU (env.device): on cuda:0 each server-mode actor held a CUDA context of
+# its own, 5.6 GB of the server run's 8.2 GB (docs/results/inference_server_h200.md).
 want inference-server && step inference-server 250 "$PY" benchmarks/inference_server.py \
-  --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 \
+  --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
   --buffer-size 8 --timeout 115 --prebuild /tmp/tandem-0p5b --set policy.vla_config.autocast=true \
   --set learner.device=$DEV --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
 if want reach-ds; then

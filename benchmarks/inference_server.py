@@ -64,6 +64,8 @@ def overrides(args, actors: int, mode: str) -> list[str]:
         f"algorithm.cfg.batch_size={min(256, actors * args.num_envs * args.buffer_size)}",
         f"actors.devices={json.dumps([args.device])}",
     ]
+    if args.env_device:
+        sets.append(f"env.device={args.env_device}")
     if args.device == "cpu":
         sets += [f"actors.inference_latency_s={args.latency}", f"actors.inference_latency_per_env_s={args.latency_per_env}"]
     if mode == "server":
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="local,server")
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--server-splits", type=int, default=1, help="server: actors.server_splits")
+    p.add_argument("--env-device", default="", help="env.device in both modes (default: the actors' device)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path)
     p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary one)")

@@ -68,7 +68,7 @@ class SerialActor:
         self.seed = actor_seed(cfg, actor_id)                          # the actor process's seed
         torch.manual_seed(self.seed)
         self.device = torch.device(device or cfg.actors.devices[actor_id % len(cfg.actors.devices)])
-        self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, self.device,
+        self.env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, cfg.env.device or self.device,
                             tokenizer=instruction_tokenizer(cfg))
         self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=self.seed,

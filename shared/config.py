@@ -329,6 +329,12 @@ class EnvConfig:
     """A gymnasium id, or "tandem/<Name>" for a torch-native batched simulator."""
     cfg: dict = field(default_factory=dict)
     """Keyword arguments for the env constructor."""
+    device: str = ""
+    """Where the actors' envs step ("cpu", "cuda:N"). Empty: on the actor's device (actors.devices);
+    gymnasium envs always step on the CPU. "cpu" keeps a torch-native simulator (tandem/...) or
+    ManiSkill off the GPU while the policy runs there or on an inference server: with a few envs per
+    actor a GPU adds nothing but a CUDA context per actor process (about 640 MiB on an H200), whose
+    kernels time-slice the GPU with the server's and the learner's."""
 
 
 @dataclass
@@ -828,6 +834,9 @@ def _check(cfg: Config) -> list[str]:
             where = (f"actors.devices[{i}]" if i < len(a.devices)
                      else "learner.device" if i == len(a.devices) else "trainer.eval_device")
             errors.append(f"{where}: unknown device {dev!r} (use 'cpu', 'cuda' or 'cuda:N')")
+    if cfg.env.device and not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.env.device):
+        errors.append(f"env.device: unknown device {cfg.env.device!r} (use 'cpu', 'cuda' or 'cuda:N'; "
+                      "empty: the actor's device)")
     for i, dev in enumerate(le.devices):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", dev):
             errors.append(f"learner.devices[{i}]: unknown device {dev!r} (use 'cpu' or 'cuda:N')")

@@ -448,3 +448,34 @@ def test_with_curve_only_admitted_keys_are_served(tmp_path):
         assert s.curve.refused >= 1
     finally:
         s.close()
+
+
+def test_an_actor_served_from_a_gpu_entry_steps_its_envs_where_env_device_says(served, tmp_path):
+    """env.device "cpu": an actor of a CUDA entry of actors.devices whose policy is the server steps
+    its torch-native envs on the CPU and never touches CUDA (on this CPU-only host, building the envs
+    on cuda:0 would raise), and its rollout goes out."""
+    from actors.actor import Actor
+    from tests.test_learner_component import CaptureSink
+    cfg = config_from_dict({"env": {"id": "tandem/Pendulum-v0", "device": "cpu"},
+                            "trainer": {"buffer_type": "vla", "buffer_size": 8},
+                            "algorithm": {"name": "ppo", "cfg": {"batch_size": 32}},
+                            "actors": {"num_actors": 2, "num_envs": 4, "inference": "server",
+                                       "devices": ["cuda:0"]}}, source="test")
+    served.weights.publish(served.learner, 0)
+    served.start()
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, Weights(), sink, remote=served.remote(0), lock_dir=tmp_path)
+    try:
+        assert actor.device == torch.device("cuda:0") and actor.env_device == torch.device("cpu")
+        assert actor.step_once()
+        td, meta = sink.messages[-1]
+        assert td[keys.OBS].shape[:2] == (4, 8) and int(td[keys.POLICY_VERSION].min()) == 0
+        assert not torch.cuda.is_initialized()
+    finally:
+        actor.close()
+
+
+def test_env_device_is_checked():
+    with pytest.raises(ConfigError, match="env.device: unknown device 'gpu0'"):
+        config_from_dict({"env": {"id": ENV, "device": "gpu0"}}, source="test")
+    assert config_from_dict({"env": {"id": ENV, "device": "cuda:1"}}, source="test").env.device == "cuda:1"
