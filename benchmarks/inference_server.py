@@ -79,7 +79,6 @@ def overrides(args, actors: int, mode: str) -> list[str]:
 def prebuild(config: Path, sets: list[str], out: Path) -> list[str]:
     """Build the config's fresh VLA once (seeded with ``trainer.seed``, as every process would) and save
     it to `out`; returns the overrides that make every process load it instead."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
     from shared.config import load_config
     from shared.policies.vla import load_vla_model
