@@ -382,7 +382,8 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
     signal.signal(signal.SIGTERM, _on_signal)
     curve = client_from_config(cfg)   # bad key files fail here, before any socket exists
     ctx = zmq.Context()
-    sub = WeightsSubscriber(ctx, endpoints["weights"], curve=curve)
+    # with an inference server, the server takes the weights: the actor needs only stop and credits
+    sub = WeightsSubscriber(ctx, endpoints["weights"], curve=curve, weights=cfg.actors.inference != "server")
     # Several learner ranks: actor i sends its rollouts to rank i % W (learner/distributed.py).
     by_rank = endpoints.get("rollouts_by_rank")
     push = RolloutPusher(ctx, by_rank[actor_id % len(by_rank)] if by_rank else endpoints["rollouts"], curve=curve)

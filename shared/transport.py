@@ -70,8 +70,19 @@ def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
             time.sleep(0.05)
 
 
+# Every message on the weights socket starts with a one-byte topic frame, then the wire frames:
+# WEIGHTS_TOPIC for weights (the tensors), CONTROL_TOPIC for a header alone (stop, credits). A
+# subscriber that needs no weights (an actor whose inference server takes them) subscribes to the
+# control topic only, and the publisher never sends it the tensors (XPUB filters per subscriber).
+WEIGHTS_TOPIC, CONTROL_TOPIC = b"w", b"c"
+
+
 class WeightsPublisher:
-    """XPUB socket: publishes weights, re-sends the latest to every new subscriber."""
+    """XPUB socket: publishes weights, re-sends the latest to every new subscriber.
+
+    Once a control-only subscriber has joined, every weights message that carries per-actor credits
+    (``consumed``) is followed by a control message with the credits and the learner's incarnation
+    alone, so that such subscribers have them too (``lag_policy: "pace"``)."""
 
     def __init__(self, ctx: zmq.Context, host: str, port: int = 0, curve: Any = None, advertise: str = ""):
         self.sock = _socket(ctx, zmq.XPUB, SNDHWM=8, XPUB_VERBOSE=1)
@@ -79,25 +90,36 @@ class WeightsPublisher:
             curve.apply(self.sock)
         self.endpoint = bind(self.sock, host, port, advertise)
         self._last: list | None = None
+        self._last_credit: list | None = None
         self.subscribers_seen = 0
+        self.control_only_seen = False
 
     def publish(self, td: TensorDictBase, **meta: Any) -> None:
-        self._last = wire.encode(td, **meta)
+        self._last = [WEIGHTS_TOPIC, *wire.encode(td, **meta)]
         self.sock.send_multipart(self._last, copy=False)
+        if "consumed" in meta and self.control_only_seen:
+            self.send_control(kind="credit", consumed=meta["consumed"], incarnation=meta.get("incarnation"),
+                              time=meta.get("time"))
 
     def send_control(self, **meta: Any) -> None:
         from tensordict import TensorDict
-        self.sock.send_multipart(wire.encode(TensorDict({}, []), **meta))
+        frames = [CONTROL_TOPIC, *wire.encode(TensorDict({}, []), **meta)]
+        if meta.get("kind") == "credit":
+            self._last_credit = frames
+        self.sock.send_multipart(frames)
 
     def serve_subscriptions(self) -> int:
-        """Handle pending subscribe events; re-send the latest weights if anyone joined."""
+        """Handle pending subscribe events; re-send the latest weights (and credits) if anyone joined."""
         joined = 0
         while self.sock.poll(0):
             msg = self.sock.recv()
             if msg[:1] == b"\x01":
                 joined += 1
+                self.control_only_seen |= msg[1:] == CONTROL_TOPIC
         if joined and self._last is not None:
             self.sock.send_multipart(self._last, copy=False)
+        if joined and self._last_credit is not None:
+            self.sock.send_multipart(self._last_credit)
         self.subscribers_seen += joined
         return joined
 
@@ -106,13 +128,14 @@ class WeightsPublisher:
 
 
 class WeightsSubscriber:
-    """SUB socket on the learner's weights; :meth:`newest` drains and keeps only the last message."""
+    """SUB socket on the learner's weights; :meth:`newest` drains and keeps only the last message.
+    `weights` False: control messages only (stop, credits), never the tensors."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, curve: Any = None):
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: Any = None, weights: bool = True):
         self.sock = _socket(ctx, zmq.SUB, RCVHWM=4)
         if curve is not None:      # a shared.security.CurveClient
             curve.apply(self.sock)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"" if weights else CONTROL_TOPIC)
         self.sock.connect(endpoint)
         self.consumed: list | None = None
         self.consumed_from: str | None = None   # the learner incarnation that counted `consumed`
@@ -127,8 +150,10 @@ class WeightsSubscriber:
             return None
         while self.sock.poll(0):
             frames = self.sock.recv_multipart(copy=False)
+            if len(frames) < 2 or frames[0].bytes not in (WEIGHTS_TOPIC, CONTROL_TOPIC):
+                continue
             try:
-                td, meta = wire.decode(frames)
+                td, meta = wire.decode(frames[1:])
             except wire.WireError:
                 continue
             if isinstance(meta.get("consumed"), list):

@@ -72,7 +72,9 @@ def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
 
     def check_weights(sub) -> None:
         while sub.poll(0):
-            td, meta = wire.decode(sub.recv_multipart())
+            topic, *frames = sub.recv_multipart()     # shared/transport.py: a topic frame, then the wire frames
+            assert topic in (b"w", b"c"), topic
+            td, meta = wire.decode(frames)
             if meta.get("kind") != "weights":
                 continue
             bad = [k for k, v in td.items(include_nested=True, leaves_only=True)

@@ -479,3 +479,50 @@ def test_env_device_is_checked():
     with pytest.raises(ConfigError, match="env.device: unknown device 'gpu0'"):
         config_from_dict({"env": {"id": ENV, "device": "gpu0"}}, source="test")
     assert config_from_dict({"env": {"id": ENV, "device": "cuda:1"}}, source="test").env.device == "cuda:1"
+
+
+def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights():
+    """An actor served by an inference server subscribes to the weights socket's control topic only:
+    the publisher sends it the stop messages and the credits of every weights message (``consumed``,
+    for lag_policy "pace"), re-sent when it joins late, and never the tensors, which a full subscriber
+    still receives."""
+    from shared.transport import CONTROL_TOPIC, WeightsPublisher, WeightsSubscriber
+    ctx = zmq.Context()
+    pub = WeightsPublisher(ctx, "127.0.0.1")
+    subs = {name: WeightsSubscriber(ctx, pub.endpoint, weights=(name == "full")) for name in ("full", "ctrl", "raw")}
+
+    def joined(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while pub.subscribers_seen < n:
+            assert time.monotonic() < deadline, "the subscribers never joined"
+            pub.serve_subscriptions()
+            time.sleep(0.01)
+    try:
+        joined(3)
+        assert pub.control_only_seen       # from now on, its credits are sent on the control topic too
+        time.sleep(0.1)
+        pub.publish(TensorDict({"w": torch.randn(4096)}, []), kind="weights", version=3, incarnation="L1",
+                    consumed=[2, 5], time=1.0)
+        td, meta = subs["full"].newest(2000)
+        assert meta["kind"] == "weights" and meta["version"] == 3 and td["w"].numel() == 4096
+        assert subs["ctrl"].newest(2000) is None          # a credit is kept, not returned
+        assert subs["ctrl"].consumed == [2, 5] and subs["ctrl"].consumed_from == "L1"
+        pub.send_control(kind="stop", who="actors", incarnation="L1")
+        assert subs["ctrl"].newest(2000)[1]["kind"] == "stop"
+        topics, deadline = [], time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if subs["raw"].sock.poll(50):
+                topics.append(subs["raw"].sock.recv_multipart()[0])
+        assert topics == [CONTROL_TOPIC, CONTROL_TOPIC]    # the credit and the stop: no weights
+        late = WeightsSubscriber(ctx, pub.endpoint, weights=False)
+        subs["late"] = late
+        joined(4)
+        deadline = time.monotonic() + 5
+        while late.consumed is None and time.monotonic() < deadline:
+            late.newest(100)
+        assert late.consumed == [2, 5]
+    finally:
+        for s in subs.values():
+            s.close()
+        pub.close()
+        ctx.term()
