@@ -178,6 +178,9 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
            # the learner's side: its update time, and what collection sent that it never trained on
            "update_s": s.get("time/update_wall_s", 0.0) / max(1, s["updates"]),
            "dropped_lag": s.get("dropped_lag"), "overwritten": s.get("overwritten")}
+    # The most env steps/s the learner could train at this update time (one rollout of every actor
+    # per update): where sps is close to it, the learner, not acting, sets the pace.
+    row["learner_ceiling_sps"] = (actors * args.num_envs * args.buffer_size / row["update_s"]) if row["update_s"] else None
     row.update(server_batches(run_dir) if mode == "server" else {})
     return row
 
@@ -231,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             if "sps" in row:
                 extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests, "
                          f"{row.get('forward_ms', float('nan')):.1f} ms per batch" if mode == "server" else "")
-                extra += (f" | update {row['update_s']:.2f} s, {row['dropped_lag']} rollouts dropped for lag, "
-                          f"{row['overwritten']} overwritten")
+                extra += (f" | update {row['update_s']:.2f} s (the learner trains at most "
+                          f"{row['learner_ceiling_sps'] or float('nan'):.0f} env steps/s), {row['dropped_lag']} rollouts "
+                          f"dropped for lag, {row['overwritten']} overwritten")
                 print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s, peak {row['peak_mib']:8.0f} MiB, "
                       f"return {row['return']}{extra}", flush=True)
     by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}

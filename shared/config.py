@@ -834,7 +834,7 @@ def _check(cfg: Config) -> list[str]:
             where = (f"actors.devices[{i}]" if i < len(a.devices)
                      else "learner.device" if i == len(a.devices) else "trainer.eval_device")
             errors.append(f"{where}: unknown device {dev!r} (use 'cpu', 'cuda' or 'cuda:N')")
-    if cfg.env.device and not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.env.device):
+    if cfg.env.device and not re.fullmatch(r"cpu|mps|cuda(:\d+)?", cfg.env.device):
         errors.append(f"env.device: unknown device {cfg.env.device!r} (use 'cpu', 'cuda' or 'cuda:N'; "
                       "empty: the actor's device)")
     for i, dev in enumerate(le.devices):
