@@ -69,14 +69,20 @@ class InferenceUnavailable(Exception):
 
 
 def server_devices(cfg: Config) -> list[str]:
-    """The devices that get a server: ``actors.devices`` without repeats, in order."""
-    return list(dict.fromkeys(cfg.actors.devices))
+    """Each server's device, by server id: ``actors.devices`` without repeats, in order, each
+    ``actors.servers_per_device`` times (launch/run_local.sh counts them the same way)."""
+    k = cfg.actors.servers_per_device
+    return [d for d in dict.fromkeys(cfg.actors.devices) for _ in range(k)]
 
 
 def server_of(cfg: Config, actor_id: int) -> int:
-    """The server that acts for actor `actor_id` (the one on its device)."""
-    devices = cfg.actors.devices
-    return server_devices(cfg).index(devices[actor_id % len(devices)])
+    """The server that acts for actor `actor_id`: one of its device's, the actors of a device dealt
+    out to its ``actors.servers_per_device`` servers in turn."""
+    devices, k = cfg.actors.devices, cfg.actors.servers_per_device
+    mine = devices[actor_id % len(devices)]
+    first = list(dict.fromkeys(devices)).index(mine) * k
+    turn = sum(1 for i in range(actor_id) if devices[i % len(devices)] == mine)
+    return first + turn % k
 
 
 def served_actors(cfg: Config, server_id: int) -> list[int]:

@@ -216,8 +216,8 @@ class ActorsConfig:
     """Actors that get `slowdown_s`; empty means all actors."""
     inference: Literal["local", "server"] = "local"
     """Where the acting policy runs. local: every actor holds its own copy (cheap policies). server:
-    one inference server process per device of actors.devices holds the only copy and acts for every
-    actor on that device, batching their requests into one forward pass; actors then only step their
+    one inference server process per device of actors.devices (servers_per_device of them) holds the
+    only copy and acts for every actor on that device, batching their requests into one forward pass; actors then only step their
     envs (actors/inference.py). For large models: one copy per device instead of one per actor, and
     one call a round instead of one per actor. Every step records the version that acted (the server
     takes new weights between batches, so in vla mode that is weights_at "step")."""
@@ -233,6 +233,12 @@ class ActorsConfig:
     (double-buffered sampling): while the server acts for one part, the actor steps another, so
     the round trip to the server is hidden behind env steps. 1: one request for all envs, then wait.
     actors.num_envs must split evenly, and for GRPO into whole groups."""
+    servers_per_device: Annotated[int, Range(ge=1, le=64)] = 1
+    """server: inference servers for each distinct entry of actors.devices; an entry's actors are
+    dealt out to its servers in turn (its 1st, (k+1)th, ... actor to the first). On Ray, one per node
+    for a device name that every node has ("cuda:0"): pin each server and its actors to one node with
+    a custom resource per node in launch.ray.server_resources and actor_resources (a server and an
+    actor it serves on different nodes is refused). Every server needs at least one actor."""
     rollout_transport: Literal["zmq", "ring"] = "zmq"
     """How rollouts reach the learner. zmq: in the rollout message (any host). ring: each actor
     writes into a ring of preallocated rollout slots that the learner owns on this host (a
@@ -898,9 +904,19 @@ def _check(cfg: Config) -> list[str]:
         elif grpo and alg.group_size > 0 and (a.num_envs // a.server_splits) % alg.group_size:
             errors.append(f"actors.server_splits: parts of {a.num_envs // a.server_splits} envs split GRPO groups of "
                           f"{alg.group_size} (algorithm.cfg.group_size); a group must be in one part")
+        per_device = {}
+        for i in range(a.num_actors):
+            per_device[a.devices[i % len(a.devices)]] = per_device.get(a.devices[i % len(a.devices)], 0) + 1
+        short = {d: n for d, n in per_device.items() if n < a.servers_per_device}
+        if short:
+            errors.append(f"actors.servers_per_device {a.servers_per_device}: devices {sorted(short)} have only "
+                          f"{sorted(set(short.values()))} actors (actors.num_actors {a.num_actors} over "
+                          f"actors.devices); every server needs one")
         if a.emulated_devices:
             errors.append("actors.emulated_devices and actors.inference \"server\": each server is its device's "
                           "only user (its latency is actors.inference_latency_s + _per_env_s x batch); leave it empty")
+    elif a.servers_per_device > 1:
+        errors.append(f"actors.servers_per_device {a.servers_per_device} needs actors.inference \"server\"")
     elif a.server_splits > 1:
         errors.append(f"actors.server_splits {a.server_splits} needs actors.inference \"server\" (a local copy "
                       f"answers at once: there is no round trip to hide)")

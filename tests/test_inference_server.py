@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tensordict import TensorDict
 
 from actors.inference import (InferenceServer, InferenceStopped, RemotePolicy, bind_router, endpoint_path,
-                              server_of, write_endpoint)
+                              server_devices, server_of, served_actors, write_endpoint)
 from actors.rollout import Collector, EnvParts
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire
@@ -414,6 +414,15 @@ def test_the_queue_is_bounded(tmp_path):
 def test_the_config_refuses_what_a_server_cannot_do():
     two = _cfg(devices=["cpu", "cuda:0", "cpu"], num_actors=4)       # actor i: devices[i % 3]; one server per device
     assert [server_of(two, i) for i in range(4)] == [0, 1, 0, 0]
+    # actors.servers_per_device: each device's actors dealt out to its servers in turn
+    dealt = _cfg(devices=["cpu", "cuda:0", "cpu"], num_actors=6, servers_per_device=2)
+    assert server_devices(dealt) == ["cpu", "cpu", "cuda:0", "cuda:0"]
+    assert [server_of(dealt, i) for i in range(6)] == [0, 2, 1, 0, 3, 1]
+    assert [served_actors(dealt, s) for s in range(4)] == [[0, 3], [2, 5], [1], [4]]
+    with pytest.raises(ConfigError, match=r"servers_per_device 3: devices \['cpu'\] have only \[2\] actors"):
+        _cfg(servers_per_device=3)
+    with pytest.raises(ConfigError, match="servers_per_device 2 needs actors.inference"):
+        _cfg(servers_per_device=2, inference="local")
     for bad in ({"weights_at": "rollout"}, {"sync_every": 2}, {"emulated_devices": ["d0"]}):
         with pytest.raises(ConfigError, match="inference"):
             _cfg(**bad)

@@ -668,3 +668,24 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     events = read_jsonl(run_dir / "versions.jsonl")
     assert_versions_publish_sequence(events, start=0)
     assert_consume_lags(events, max_lag=2)
+
+
+def test_two_inference_servers_on_one_device_deal_out_its_actors(tmp_path):
+    """actors.servers_per_device 2 through the launcher: two servers for the one device, actors dealt out
+    in turn (0 and 2 to server 0, 1 and 3 to server 1), each acting for its own, and the run ends
+    normally with every actor's rollouts trained on."""
+    run_dir = tmp_path / "run"
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "4", "--steps", "4096", "--set", "trainer.eval_freq=0",
+                 "--set", "trainer.buffer_type=vla", "--set", "actors.inference=server",
+                 "--set", "actors.servers_per_device=2")
+    try:
+        rc = run.wait(RUN_TIMEOUT_S)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+    for server, actors in ((0, "[0, 2]"), (1, "[1, 3]")):
+        log = (run_dir / "logs" / f"inference_{server}.log").read_text()
+        assert f"inference server {server} on cpu for actors {actors}" in log, log
+        assert re.search(rf"inference server {server}: stopping after [1-9]\d* batches", log), log
+    assert {e["actor"] for e in consumes(read_jsonl(run_dir / "versions.jsonl"))} == {0, 1, 2, 3}

@@ -95,6 +95,13 @@ def test_an_inference_server_placed_apart_from_its_actors_is_refused():
     errors = rr.check_placement(served, ["node-a"], ["node-b", "node-b", "node-c"], ["node-b", "node-c"])
     assert len(errors) == 1 and "actors [1, 2]" in errors[0] and "servers ([0, 1])" in errors[0], errors
     assert "STRICT_PACK" in errors[0] and "server_resources" in errors[0]
+    # one server per node for a device name every node has: actors.servers_per_device 2, actors dealt
+    # out in turn (actor i to server i % 2), as resource lists of two entries place them (i % 2)
+    per_node = _cfg("actors.inference=server", 'actors.devices=["cuda:0"]', "actors.num_actors=4",
+                    "actors.servers_per_device=2", "trainer.buffer_type=vla")
+    assert rr.check_placement(per_node, ["node-a"], ["node-a", "node-b"] * 2, ["node-a", "node-b"]) == []
+    errors = rr.check_placement(per_node, ["node-a"], ["node-a", "node-b"] * 2, ["node-b", "node-a"])
+    assert len(errors) == 1 and "actors [0, 1, 2, 3]" in errors[0], errors
 
 
 def test_all_gather_text_through_gloo_without_pickle(tmp_path):
