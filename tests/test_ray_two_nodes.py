@@ -195,17 +195,21 @@ def test_run_ray_two_nodes_gloo_ranks_curve_restart_and_sigterm(ray_two_nodes, t
     assert "Ray restarts it" in output and not (run / "endpoints.json").exists()
 
 
-def test_run_ray_places_an_inference_server_with_its_actors_on_another_node(ray_two_nodes, tmp_path):
-    """actors.inference "server" through run_ray.py: the learner on the head node, the inference
-    server and both actors it serves on the worker node (their bundles pinned there); the server takes
-    the learner's weights across the link, the actors find it by its file in the run directory, the run
-    ends normally and leaves nothing running."""
+def test_run_ray_places_one_inference_server_per_node_with_its_actors(ray_two_nodes, tmp_path):
+    """actors.inference "server" with actors.servers_per_device 2 through run_ray.py: the learner on
+    the head node; server 0 and actor 0 on the head node, server 1 and actor 1 on the worker node
+    (their bundles pinned by a resource per node), each server acting for its own actor only. The
+    servers take the learner's weights (across the link for server 1), the actors find their server by
+    its file in the run directory, the run ends normally and leaves nothing running."""
     cluster = ray_two_nodes
     run, log = tmp_path / "run", tmp_path / "driver.log"
-    sets = {"actors.inference": "server", "actors.server_splits": 2, "trainer.buffer_type": "vla",
-            "launch.ray.learner_resources": '[{"CPU":1,"node_a":0.01}]',
-            "launch.ray.actor_resources": '[{"CPU":0.5,"node_b":0.01}]',
-            "launch.ray.server_resources": '[{"CPU":0.5,"node_b":0.01}]'}
+    per_node = '[{"CPU":0.5,"node_a":0.01},{"CPU":0.5,"node_b":0.01}]'
+    sets = {"actors.inference": "server", "actors.server_splits": 2, "actors.servers_per_device": 2,
+            "trainer.buffer_type": "vla", "launch.ray.learner_resources": '[{"CPU":1,"node_a":0.01}]',
+            # 20 ms an env step: alone, actor 0 would take over 10 s for the run's 4,096 steps, so the
+            # run lasts until actor 1, started on the other node a few seconds later, has acted too
+            "actors.slowdown_s": 0.02,
+            "launch.ray.actor_resources": per_node, "launch.ray.server_resources": per_node}
     argv = [sys.executable, str(ROOT / "launch" / "run_ray.py"), "--config", str(CONFIG), "--address",
             cluster["address"], "--steps", "4096", "--out", str(run), "--no-eval",
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
@@ -217,15 +221,19 @@ def test_run_ray_places_an_inference_server_with_its_actors_on_another_node(ray_
         stop_process_groups([driver], grace_s=30)
     output = log.read_text()
     assert rc == 0, output[-4000:]
-    worker_ip = cluster["address"].split(":")[0].rsplit(".", 1)[0] + ".2"
-    assert re.search(rf"inference_0: pid \d+ on {re.escape(worker_ip)}", output), output[-4000:]
+    head_ip = cluster["address"].split(":")[0]
+    worker_ip = head_ip.rsplit(".", 1)[0] + ".2"
+    for name, ip in (("inference_0", head_ip), ("actor_0", head_ip), ("inference_1", worker_ip), ("actor_1", worker_ip)):
+        assert re.search(rf"{name}: pid \d+ on {re.escape(ip)}", output), (name, output[-4000:])
     started = {int(p) for p in re.findall(r"(?:actor_\d|learner|inference_\d): pid (\d+)", output)}
-    assert len(started) == 4, output[-4000:]
+    assert len(started) == 5, output[-4000:]
     time.sleep(1.0)
     assert not [p for p in started if _alive(p)], output[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["env_steps"] >= 4096 and summary["malformed"] == 0, summary
     consumed = {e["actor"] for e in read_jsonl(run / "versions.jsonl") if e["event"] == "consume"}
     assert consumed == {0, 1}
-    server_log = (run / "logs" / "inference_0.log").read_text()
-    assert "inference server 0 on cpu for actors [0, 1]" in server_log and "the learner stopped the run" in server_log
+    for server in (0, 1):
+        server_log = (run / "logs" / f"inference_{server}.log").read_text()
+        assert f"inference server {server} on cpu for actors [{server}]" in server_log, server_log
+        assert "the learner stopped the run" in server_log, server_log
