@@ -676,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     from shared.config import ConfigError, load_config
     p = argparse.ArgumentParser(prog="python -m actors.inference", description=main.__doc__)
     p.add_argument("--config", required=True)
-    p.add_argument("--server-id", type=int, required=True, help="index into the distinct actors.devices")
+    p.add_argument("--server-id", type=int, required=True, help="which server: index into server_devices (the distinct "
+                   "actors.devices, each actors.servers_per_device times)")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory (the server's endpoint file "
                    "goes there, where its actors look for it)")
     p.add_argument("--endpoints", type=Path, help="the learner's endpoints.json (default: RUN_DIR/endpoints.json)")
@@ -692,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n = len(server_devices(cfg))
     if not 0 <= args.server_id < n:
-        print(f"--server-id {args.server_id}: must be in 0..{n - 1} (the distinct actors.devices of {args.config})",
+        print(f"--server-id {args.server_id}: must be in 0..{n - 1} (the distinct actors.devices of {args.config}, "
+              f"each actors.servers_per_device times)",
               file=sys.stderr)
         return 2
     try:

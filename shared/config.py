@@ -904,9 +904,9 @@ def _check(cfg: Config) -> list[str]:
         elif grpo and alg.group_size > 0 and (a.num_envs // a.server_splits) % alg.group_size:
             errors.append(f"actors.server_splits: parts of {a.num_envs // a.server_splits} envs split GRPO groups of "
                           f"{alg.group_size} (algorithm.cfg.group_size); a group must be in one part")
-        per_device = {}
+        per_device = dict.fromkeys(a.devices, 0)       # an entry no actor falls on would get idle servers
         for i in range(a.num_actors):
-            per_device[a.devices[i % len(a.devices)]] = per_device.get(a.devices[i % len(a.devices)], 0) + 1
+            per_device[a.devices[i % len(a.devices)]] += 1
         short = {d: n for d, n in per_device.items() if n < a.servers_per_device}
         if short:
             errors.append(f"actors.servers_per_device {a.servers_per_device}: devices {sorted(short)} have only "

@@ -82,7 +82,9 @@ class WeightsPublisher:
 
     Once a control-only subscriber has joined, every weights message that carries per-actor credits
     (``consumed``) is followed by a control message with the credits and the learner's incarnation
-    alone, so that such subscribers have them too (``lag_policy: "pace"``)."""
+    alone, so that such subscribers have them too (``lag_policy: "pace"``). The newest credits, from
+    a weights message or a credit message, are kept and re-sent whenever anyone joins; the newest
+    weights are re-sent only when a subscriber to the weights joins."""
 
     def __init__(self, ctx: zmq.Context, host: str, port: int = 0, curve: Any = None, advertise: str = ""):
         self.sock = _socket(ctx, zmq.XPUB, SNDHWM=8, XPUB_VERBOSE=1)
@@ -97,26 +99,36 @@ class WeightsPublisher:
     def publish(self, td: TensorDictBase, **meta: Any) -> None:
         self._last = [WEIGHTS_TOPIC, *wire.encode(td, **meta)]
         self.sock.send_multipart(self._last, copy=False)
-        if "consumed" in meta and self.control_only_seen:
-            self.send_control(kind="credit", consumed=meta["consumed"], incarnation=meta.get("incarnation"),
-                              time=meta.get("time"))
+        if "consumed" in meta:   # kept for control-only subscribers who join later, sent to those already here
+            self._last_credit = self._control(kind="credit", consumed=meta["consumed"],
+                                              incarnation=meta.get("incarnation"), time=meta.get("time"))
+            if self.control_only_seen:
+                self.sock.send_multipart(self._last_credit)
 
     def send_control(self, **meta: Any) -> None:
-        from tensordict import TensorDict
-        frames = [CONTROL_TOPIC, *wire.encode(TensorDict({}, []), **meta)]
+        frames = self._control(**meta)
         if meta.get("kind") == "credit":
             self._last_credit = frames
         self.sock.send_multipart(frames)
 
+    @staticmethod
+    def _control(**meta: Any) -> list:
+        from tensordict import TensorDict
+        return [CONTROL_TOPIC, *wire.encode(TensorDict({}, []), **meta)]
+
     def serve_subscriptions(self) -> int:
-        """Handle pending subscribe events; re-send the latest weights (and credits) if anyone joined."""
-        joined = 0
+        """Handle pending subscribe events: re-send the newest weights if a subscriber to them joined,
+        and the newest credits if anyone did."""
+        joined, weights_joined = 0, False
         while self.sock.poll(0):
             msg = self.sock.recv()
             if msg[:1] == b"\x01":
                 joined += 1
-                self.control_only_seen |= msg[1:] == CONTROL_TOPIC
-        if joined and self._last is not None:
+                if msg[1:] == CONTROL_TOPIC:
+                    self.control_only_seen = True
+                else:                         # b"" (everything) or the weights topic
+                    weights_joined = True
+        if weights_joined and self._last is not None:
             self.sock.send_multipart(self._last, copy=False)
         if joined and self._last_credit is not None:
             self.sock.send_multipart(self._last_credit)

@@ -421,6 +421,8 @@ def test_the_config_refuses_what_a_server_cannot_do():
     assert [served_actors(dealt, s) for s in range(4)] == [[0, 3], [2, 5], [1], [4]]
     with pytest.raises(ConfigError, match=r"servers_per_device 3: devices \['cpu'\] have only \[2\] actors"):
         _cfg(servers_per_device=3)
+    with pytest.raises(ConfigError, match=r"devices \['cuda:0'\] have only \[0\] actors"):
+        _cfg(devices=["cpu", "cuda:0"], num_actors=1)                # its server would serve nobody
     with pytest.raises(ConfigError, match="servers_per_device 2 needs actors.inference"):
         _cfg(servers_per_device=2, inference="local")
     for bad in ({"weights_at": "rollout"}, {"sync_every": 2}, {"emulated_devices": ["d0"]}):
@@ -492,13 +494,14 @@ def test_env_device_is_checked():
 
 def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights():
     """An actor served by an inference server subscribes to the weights socket's control topic only:
-    the publisher sends it the stop messages and the credits of every weights message (``consumed``,
-    for lag_policy "pace"), re-sent when it joins late, and never the tensors, which a full subscriber
-    still receives."""
+    it gets the newest credits when it joins (also when the learner published before it came), the
+    credits of every later weights message (``consumed``, for lag_policy "pace") and the stop, and
+    never the tensors, which a full subscriber still receives. Its joining re-sends no weights to the
+    full subscribers, and a re-sent credit is never older than the weights they hold."""
     from shared.transport import CONTROL_TOPIC, WeightsPublisher, WeightsSubscriber
     ctx = zmq.Context()
     pub = WeightsPublisher(ctx, "127.0.0.1")
-    subs = {name: WeightsSubscriber(ctx, pub.endpoint, weights=(name == "full")) for name in ("full", "ctrl", "raw")}
+    subs = {"full": WeightsSubscriber(ctx, pub.endpoint)}
 
     def joined(n: int) -> None:
         deadline = time.monotonic() + 10
@@ -506,30 +509,50 @@ def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights(
             assert time.monotonic() < deadline, "the subscribers never joined"
             pub.serve_subscriptions()
             time.sleep(0.01)
-    try:
-        joined(3)
-        assert pub.control_only_seen       # from now on, its credits are sent on the control topic too
         time.sleep(0.1)
-        pub.publish(TensorDict({"w": torch.randn(4096)}, []), kind="weights", version=3, incarnation="L1",
-                    consumed=[2, 5], time=1.0)
-        td, meta = subs["full"].newest(2000)
-        assert meta["kind"] == "weights" and meta["version"] == 3 and td["w"].numel() == 4096
-        assert subs["ctrl"].newest(2000) is None          # a credit is kept, not returned
+
+    def next_weights(sub):          # the next message newest() returns (credits are kept, not returned)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            msg = sub.newest(100)
+            if msg is not None:
+                return msg
+        raise AssertionError("no message")
+
+    def publish(version: int, consumed: list[int]) -> None:
+        pub.publish(TensorDict({"w": torch.randn(4096)}, []), kind="weights", version=version, incarnation="L1",
+                    consumed=consumed, time=float(version))
+    try:
+        joined(1)
+        pub.send_control(kind="credit", consumed=[1, 1], incarnation="L1", time=0.5)
+        publish(3, [2, 5])                                 # no control-only subscriber yet
+        td, meta = next_weights(subs["full"])
+        assert meta["version"] == 3 and td["w"].numel() == 4096 and subs["full"].consumed == [2, 5]
+        assert not pub.control_only_seen
+        subs["ctrl"] = WeightsSubscriber(ctx, pub.endpoint, weights=False)
+        joined(2)
+        assert pub.control_only_seen
+        deadline = time.monotonic() + 5
+        while subs["ctrl"].consumed is None and time.monotonic() < deadline:
+            assert subs["ctrl"].newest(100) is None          # a credit is kept, not returned
         assert subs["ctrl"].consumed == [2, 5] and subs["ctrl"].consumed_from == "L1"
+        assert subs["full"].newest(300) is None              # no weights re-sent for a control-only join
+        assert subs["full"].consumed == [2, 5]               # and the re-sent credit is the newest
+        subs["raw"] = WeightsSubscriber(ctx, pub.endpoint, weights=False)
+        joined(3)
+        publish(4, [3, 6])
+        assert next_weights(subs["full"])[1]["version"] == 4
+        deadline = time.monotonic() + 5
+        while subs["ctrl"].consumed != [3, 6] and time.monotonic() < deadline:
+            assert subs["ctrl"].newest(100) is None
+        assert subs["ctrl"].consumed == [3, 6]
         pub.send_control(kind="stop", who="actors", incarnation="L1")
-        assert subs["ctrl"].newest(2000)[1]["kind"] == "stop"
+        assert next_weights(subs["ctrl"])[1]["kind"] == "stop"
         topics, deadline = [], time.monotonic() + 1.0
         while time.monotonic() < deadline:
             if subs["raw"].sock.poll(50):
                 topics.append(subs["raw"].sock.recv_multipart()[0])
-        assert topics == [CONTROL_TOPIC, CONTROL_TOPIC]    # the credit and the stop: no weights
-        late = WeightsSubscriber(ctx, pub.endpoint, weights=False)
-        subs["late"] = late
-        joined(4)
-        deadline = time.monotonic() + 5
-        while late.consumed is None and time.monotonic() < deadline:
-            late.newest(100)
-        assert late.consumed == [2, 5]
+        assert topics and set(topics) == {CONTROL_TOPIC}     # credits and the stop: never the weights
     finally:
         for s in subs.values():
             s.close()
