@@ -217,10 +217,11 @@ class ActorsConfig:
     inference: Literal["local", "server"] = "local"
     """Where the acting policy runs. local: every actor holds its own copy (cheap policies). server:
     one inference server process per device of actors.devices (servers_per_device of them) holds the
-    only copy and acts for every actor on that device, batching their requests into one forward pass; actors then only step their
-    envs (actors/inference.py). For large models: one copy per device instead of one per actor, and
-    one call a round instead of one per actor. Every step records the version that acted (the server
-    takes new weights between batches, so in vla mode that is weights_at "step")."""
+    only copy and acts for every actor on that device, batching their requests into one forward pass;
+    actors then only step their envs (actors/inference.py). For large models: one copy per device
+    instead of one per actor, and one call a round instead of one per actor. Every step records the
+    version that acted (the server takes new weights between batches, so in vla mode that is
+    weights_at "step")."""
     server_max_batch: Annotated[int, Range(ge=0)] = 0
     """server: the most envs in one forward pass (0: every served actor's envs, num_envs each)."""
     server_max_wait_ms: Annotated[float, Range(ge=0, le=10_000)] = 5.0
