@@ -40,8 +40,9 @@
 #      held-out sets. Its arguments come from $TANDEM_REACH_GAINS (default: the GRPO config on seeds 1-3).
 #  11. inference-server: benchmarks/inference_server.py on the device: 8 actors x 4 envs of the 0.5B
 #      action-token model (bf16 autocast), actors.inference local (8 copies) against server (one copy,
-#      batched): env steps/s, the acting processes' device memory, the server's batches (issue 47); the
-#      model is built once (--prebuild) and loaded by every process, so the step needs about 3.5 minutes
+#      batched): env steps/s, device memory per role (nvidia-smi per process), the server's batches
+#      (issue 47); the model is built once (--prebuild) and loaded by every process, so the step needs
+#      about 3.5 minutes
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
 #      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
 #

@@ -19,8 +19,9 @@ mode trains ``--steps`` env steps with A actors of ``--num-envs`` envs, one roll
   actors' calls (on the CPU each batch costs ``a + b x batch``).
 
 It prints, per run: env steps/s over the training window (first rollout received to the last),
-the peak memory of the acting processes together (the actors and the server: resident memory on the
-CPU; on a GPU, the device memory ``nvidia-smi`` reports for them), the final return, the server's
+the peak memory of the acting processes together and, with a server, of the server and of its actors
+apart (resident memory on the CPU; on a GPU, the device memory ``nvidia-smi`` reports for each process),
+the final return, the learner's update time and the rate it could train at, the server's
 mean batch in envs and in requests; then the ratio server / local at each A. The equal-hardware
 speed-up against standard mode and its overlap bound are ``benchmarks/async_speedup.py``'s (variant
 ``server4-1dev``).
@@ -99,33 +100,50 @@ def prebuild(config: Path, sets: list[str], out: Path) -> list[str]:
     return [f"policy.vla_config.model_path={out}"]
 
 
-def acting_pids(run_dir: Path) -> list[int]:
-    """The run's actor and inference-server processes."""
-    out = []
+def acting_pids(run_dir: Path) -> dict[str, list[int]]:
+    """The run's inference-server and actor processes, by role."""
+    out: dict[str, list[int]] = {"server": [], "actors": []}
     for p in psutil.process_iter(["pid", "cmdline"]):
         line = " ".join(p.info.get("cmdline") or [])
-        if str(run_dir) in line and ("-m actors " in line + " " or "-m actors.inference" in line):
-            out.append(p.info["pid"])
+        if str(run_dir) not in line:
+            continue
+        if "-m actors.inference" in line:
+            out["server"].append(p.info["pid"])
+        elif "-m actors " in line + " ":
+            out["actors"].append(p.info["pid"])
     return out
 
 
-def memory_mib(pids: list[int], device: str) -> float:
-    """The acting processes' memory together: resident (CPU) or on the device (nvidia-smi)."""
+def compute_apps_mib(text: str) -> dict[int, float]:
+    """``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`` -> MiB by pid."""
+    used = {}
+    for line in text.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            try:
+                used[int(parts[0])] = float(parts[1])
+            except ValueError:      # "[N/A]" where the driver does not say
+                pass
+    return used
+
+
+def memory_mib(pids: list[int], device: str) -> dict[int, float]:
+    """Each of `pids`' memory: on the device (nvidia-smi) for CUDA, else resident (CPU)."""
     if device.startswith("cuda"):
         try:
             out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
-            return 0.0
-        used = {int(a): float(b) for a, b in (line.split(",") for line in out.strip().splitlines() if "," in line)}
-        return sum(used.get(p, 0.0) for p in pids)
-    total = 0.0
+            return {}
+        used = compute_apps_mib(out)
+        return {p: used[p] for p in pids if p in used}
+    rss = {}
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss / 2**20
+            rss[pid] = psutil.Process(pid).memory_info().rss / 2**20
         except psutil.Error:
             pass
-    return total
+    return rss
 
 
 def server_batches(run_dir: Path) -> dict:
@@ -158,12 +176,16 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     cmd = ["--config", str(args.config)] + [x for o in overrides(args, actors, mode) for x in ("--set", o)]
     t0 = time.monotonic()
     p = start_launcher(cmd, run_dir)
-    peak = 0.0
+    peak = {"all": 0.0, "server": 0.0, "actors": 0.0}   # each its own peak (they need not coincide)
     try:
         while p.poll() is None:
             if time.monotonic() - t0 > args.timeout:
                 raise BenchmarkError(f"{mode} x{actors}: not done in {args.timeout:.0f} s:\n{tail(run_dir / 'launcher.log')}")
-            peak = max(peak, memory_mib(acting_pids(run_dir), args.device))
+            roles = acting_pids(run_dir)
+            used = memory_mib(roles["server"] + roles["actors"], args.device)
+            now = {role: sum(used.get(pid, 0.0) for pid in pids) for role, pids in roles.items()}
+            now["all"] = now["server"] + now["actors"]
+            peak = {k: max(v, now[k]) for k, v in peak.items()}
             time.sleep(POLL_S)
         if p.returncode != 0:
             raise BenchmarkError(f"{mode} x{actors}: exit {p.returncode}:\n{tail(run_dir / 'launcher.log')}")
@@ -174,7 +196,9 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     window = s["last_rollout_time"] - s["first_rollout_time"]
     row = {"mode": mode, "actors": actors, "envs": actors * args.num_envs, "wall_s": wall, "window_s": window,
            "env_steps": s["env_steps"], "sps": s["env_steps"] / window if window > 0 else None,
-           "peak_mib": peak, "return": s.get("last_eval/return_mean"), "updates": s["updates"],
+           "peak_mib": peak["all"], "actors_peak_mib": peak["actors"],
+           "server_peak_mib": peak["server"] if mode == "server" else None,
+           "return": s.get("last_eval/return_mean"), "updates": s["updates"],
            # the learner's side: its update time, and what collection sent that it never trained on
            "update_s": s.get("time/update_wall_s", 0.0) / max(1, s["updates"]),
            "dropped_lag": s.get("dropped_lag"), "overwritten": s.get("overwritten")}
@@ -237,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                 extra += (f" | update {row['update_s']:.2f} s (the learner trains at most "
                           f"{row['learner_ceiling_sps'] or float('nan'):.0f} env steps/s), {row['dropped_lag']} rollouts "
                           f"dropped for lag, {row['overwritten']} overwritten")
-                print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s, peak {row['peak_mib']:8.0f} MiB, "
+                split = (f" (server {row['server_peak_mib']:.0f}, actors {row['actors_peak_mib']:.0f})"
+                         if mode == "server" else "")
+                print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s, peak {row['peak_mib']:8.0f} MiB{split}, "
                       f"return {row['return']}{extra}", flush=True)
     by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}
     print(f"\n{'actors':>6} {'local sps':>10} {'server sps':>10} {'server/local':>12} {'local MiB':>10} "

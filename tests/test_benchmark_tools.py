@@ -282,3 +282,23 @@ def test_server_batches_reads_the_servers_own_account_from_its_log(tmp_path):
     got = inference_server.server_batches(tmp_path)
     assert got == {"batch_requests": 6.98, "batches": 48, "batch_envs": 27.9, "forward_ms": pytest.approx(100.5),
                    "server_allocated_mib": 2380.0, "server_reserved_mib": 7600.0}
+
+
+def test_the_acting_processes_memory_is_read_per_process_and_by_role(tmp_path, monkeypatch):
+    import os
+
+    import inference_server
+    assert inference_server.compute_apps_mib("1234, 8224\n 77, 640\nbad line\n99, [N/A]\n") == {1234: 8224.0, 77: 640.0}
+
+    class Proc:
+        def __init__(self, pid, cmdline):
+            self.info = {"pid": pid, "cmdline": cmdline}
+    run = str(tmp_path / "server_8")
+    procs = [Proc(1, ["python", "-m", "actors.inference", "--run-dir", run, "--server-id", "0"]),
+             Proc(2, ["python", "-m", "actors", "--run-dir", run, "--actor-id", "0"]),
+             Proc(3, ["python", "-m", "learner", "--out", run]),
+             Proc(4, ["python", "-m", "actors", "--run-dir", str(tmp_path / "other"), "--actor-id", "0"])]
+    monkeypatch.setattr(inference_server.psutil, "process_iter", lambda attrs: procs)
+    assert inference_server.acting_pids(tmp_path / "server_8") == {"server": [1], "actors": [2]}
+    me = inference_server.memory_mib([os.getpid(), 2**22 + 7], "cpu")       # a pid that does not exist is left out
+    assert list(me) == [os.getpid()] and me[os.getpid()] > 10
