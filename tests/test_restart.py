@@ -1,5 +1,7 @@
 """Issue 12, done-when 3: kill the learner while two actors run, restart it with --resume, and
-training continues, in standard mode and in vla mode with ``lag_policy: pace``.
+training continues, in standard mode and in vla mode with ``lag_policy: pace``, and there with the
+actors acting through an inference server (which takes the weights; the actors subscribe to the
+weights socket's control topic alone, for the stop and their credits).
 
 The learner and the actors are separate ``python -m`` processes (as under Slurm or ssh), on fixed
 ports so that the actors' sockets reconnect to the restarted learner by themselves. Checkpoints
@@ -47,15 +49,18 @@ def _checkpoint_versions(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("ckpt_*.pt"))
 
 
-@pytest.mark.parametrize("mode", ["standard", "vla_pace"])
+@pytest.mark.parametrize("mode", ["standard", "vla_pace", "vla_pace_server"])
 def test_learner_killed_and_resumed_while_actors_run(tmp_path, mode):
     run_dir = tmp_path / "run"
     rollout_port, weights_port = _free_ports(2)
     sets = ["--set", f"learner.rollout_port={rollout_port}", "--set", f"learner.weights_port={weights_port}",
             "--set", "trainer.total_steps=100000000", "--set", "trainer.eval_freq=0",
             "--set", "trainer.save_freq=2048"]       # 512 env steps per update: a checkpoint every 4 updates
-    if mode == "vla_pace":
+    if mode.startswith("vla_pace"):
         sets += ["--set", "trainer.buffer_type=vla", "--set", "trainer.lag_policy=pace"]
+    served = mode.endswith("_server")
+    if served:
+        sets += ["--set", "actors.inference=server"]
     py = sys.executable
     learner_cmd = [py, "-m", "learner", "--config", str(CONFIG), "--run-dir", str(run_dir), "--no-eval", *sets]
     procs: list[Started] = []
@@ -65,6 +70,10 @@ def test_learner_killed_and_resumed_while_actors_run(tmp_path, mode):
             procs.append(Started([py, "-m", "actors", "--config", str(CONFIG), "--actor-id", str(i),
                                   "--run-dir", str(run_dir), "--learner-timeout", "60", *sets],
                                  tmp_path / f"actor{i}.out", env=_env()))
+        if served:   # procs[3]: the one server, which outlives the learner as the actors do
+            procs.append(Started([py, "-m", "actors.inference", "--config", str(CONFIG), "--server-id", "0",
+                                  "--run-dir", str(run_dir), "--learner-timeout", "60", *sets],
+                                 tmp_path / "server.out", env=_env()))
         first = procs[0]
 
         def killable() -> bool:   # a checkpoint exists and the learner is 2+ versions past it
@@ -78,7 +87,7 @@ def test_learner_killed_and_resumed_while_actors_run(tmp_path, mode):
         resume_version = _checkpoint_versions(run_dir)[-1]
         assert resume_version < killed_at
         for a in procs[1:]:
-            assert a.proc.poll() is None, "an actor died with the learner:\n" + a.output()
+            assert a.proc.poll() is None, "an actor or the server died with the learner:\n" + a.output()
 
         t0 = time.monotonic()
         second = Started([*learner_cmd, "--resume"], tmp_path / "learner2.out")
@@ -94,7 +103,7 @@ def test_learner_killed_and_resumed_while_actors_run(tmp_path, mode):
         assert second.wait(60, until=lambda: _publishes(run_dir)[-1]["version"] >= resume_version + 4) is None
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(timeout=30) == 0, second.output()
-        for a in procs[1:3]:     # the learner's stop message ends the actors
+        for a in procs[1:4]:     # the learner's stop message ends the actors (and the server)
             assert a.wait(30) == 0, a.output()
     finally:
         for p in procs:
@@ -114,7 +123,9 @@ def test_learner_killed_and_resumed_while_actors_run(tmp_path, mode):
     assert {e["actor"] for e in consumed_after} == {0, 1}
     assert all(e["lag"] >= 0 for e in consumed_after)
     actor_logs = [(tmp_path / f"actor{i}.out").read_text() for i in range(2)]
-    assert all("the learner restarted" in log for log in actor_logs), actor_logs
+    # what loads the weights follows the new learner: each actor, or the server that acts for them
+    loaders = [(tmp_path / "server.out").read_text()] if served else actor_logs
+    assert all("the learner restarted" in log for log in loaders), loaders
     assert all("exiting" not in log for log in actor_logs)   # nobody gave up on a timeout
     print(f"\n[restart] {mode}: killed at v{killed_at}, resumed from the v{resume_version} checkpoint, "
           f"first update of the new learner {resumed_after_s:.1f} s after its start")
