@@ -43,6 +43,10 @@
 #      batched): env steps/s, device memory per role (nvidia-smi per process), the server's batches
 #      (issue 47); the model is built once (--prebuild) and loaded by every process, so the step needs
 #      about 3.5 minutes
+#  11b. inference-server-free: the same with trainer.lag_policy=drop: the actors run free of the learner,
+#      so env steps/s is what acting reaches beside a busy learner on the same GPU (under pace, step 11,
+#      both modes run at the learner's pace there), with the samples trained per second beside it;
+#      reuses step 11's prebuilt model when it ran first (about 3 minutes)
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
 #      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
 #
@@ -217,6 +221,14 @@ want inference-server && step inference-server 250 "$PY" benchmarks/inference_se
   --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
   --buffer-size 8 --timeout 115 --prebuild /tmp/tandem-0p5b --set policy.vla_config.autocast=true \
   --set learner.device=$DEV --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
+if want inference-server-free; then
+  pre=(--prebuild /tmp/tandem-0p5b)
+  [[ -n "$(ls -A /tmp/tandem-0p5b 2>/dev/null)" ]] && pre=(--set policy.vla_config.model_path=/tmp/tandem-0p5b)
+  step inference-server-free 250 "$PY" benchmarks/inference_server.py \
+    --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
+    --buffer-size 8 --timeout 115 "${pre[@]}" --set policy.vla_config.autocast=true --set learner.device=$DEV \
+    --set trainer.lag_policy=drop --out "$RUNS/inference_server_free" --json "$OUTDIR/inference_server_free.json"
+fi
 if want reach-ds; then
   step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \
     --parallel 6 --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \

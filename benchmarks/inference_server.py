@@ -19,12 +19,20 @@ mode trains ``--steps`` env steps with A actors of ``--num-envs`` envs, one roll
   actors' calls (on the CPU each batch costs ``a + b x batch``).
 
 It prints, per run: env steps/s over the training window (first rollout received to the last),
+and the samples trained per second where they differ,
 the peak memory of the acting processes together and, with a server, of the server and of its actors
 apart (resident memory on the CPU; on a GPU, the device memory ``nvidia-smi`` reports for each process),
 the final return, the learner's update time and the rate it could train at, the server's
 mean batch in envs and in requests; then the ratio server / local at each A. The equal-hardware
 speed-up against standard mode and its overlap bound are ``benchmarks/async_speedup.py``'s (variant
 ``server4-1dev``).
+
+Under the config's ``lag_policy: pace`` (the default) every actor waits for the learner before
+collecting more than its share, so where the learner is slower than acting (a large model whose
+learner shares the GPU) both modes run at the learner's pace and env steps/s measures the learner.
+``--set trainer.lag_policy=drop`` lets the actors run free: env steps/s is then what acting alone
+reaches beside a busy learner, and the trained samples per second (what the learner kept) are
+printed beside it.
 
 ``--prebuild DIR``: a config whose VLA is built fresh from ``model_config`` (``model_path`` empty, as
 ``configs/vla_tokens_reach_0p5b_smoke.json``) makes every process initialise the whole model at
@@ -196,6 +204,9 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     window = s["last_rollout_time"] - s["first_rollout_time"]
     row = {"mode": mode, "actors": actors, "envs": actors * args.num_envs, "wall_s": wall, "window_s": window,
            "env_steps": s["env_steps"], "sps": s["env_steps"] / window if window > 0 else None,
+           # what the updates trained on: all of it under lag_policy pace, less what drop threw away
+           "env_steps_trained": s.get("env_steps_trained"),
+           "trained_sps": s["env_steps_trained"] / window if window > 0 and "env_steps_trained" in s else None,
            "peak_mib": peak["all"], "actors_peak_mib": peak["actors"],
            "server_peak_mib": peak["server"] if mode == "server" else None,
            "return": s.get("last_eval/return_mean"), "updates": s["updates"],
@@ -238,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     print(f"[inference] {args.config.name}: {args.steps:,} env steps, actors {counts} x {args.num_envs} envs, "
           f"rollouts of {args.buffer_size}, device {args.device}"
+          + "".join(f", {x}" for x in args.sets if x.startswith("trainer.lag_policy="))
           + (f", a = {args.latency} s + b = {args.latency_per_env} s x envs per call" if args.device == "cpu" else "")
           + f" | {info}")
     if args.prebuild is not None:
@@ -263,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"dropped for lag, {row['overwritten']} overwritten")
                 split = (f" (server {row['server_peak_mib']:.0f}, actors {row['actors_peak_mib']:.0f})"
                          if mode == "server" else "")
-                print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s, peak {row['peak_mib']:8.0f} MiB{split}, "
+                trained = (f" ({row['trained_sps']:.1f} trained)" if row.get("trained_sps") is not None
+                           and row["env_steps_trained"] != row["env_steps"] else "")
+                print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s{trained}, peak {row['peak_mib']:8.0f} MiB{split}, "
                       f"return {row['return']}{extra}", flush=True)
     by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}
     print(f"\n{'actors':>6} {'local sps':>10} {'server sps':>10} {'server/local':>12} {'local MiB':>10} "

@@ -371,7 +371,8 @@ class LearnerRun:
 
 def run_summary(learner: Learner, threads: int, exit_code: int, stopped_by: str | None, ranks) -> dict[str, Any]:
     """``summary.json``: the run's final counters, times, last and best evaluation, and how it ended."""
-    summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "version": learner.version,
+    summary = {"env_steps": learner.env_steps + learner.peer_env_steps, "env_steps_trained": learner.env_steps_trained,
+               "version": learner.version,
                "updates": learner.updates, "start_time": learner.start_time,
                "wall_s": time.time() - learner.start_time, **learner.counts,
                "learner_threads": threads, **{f"time/{k}": round(v, 3) for k, v in learner.time_totals.items()},

@@ -308,6 +308,8 @@ def test_run_local_two_actors_versions(tmp_path):
     events = read_jsonl(run_dir / "versions.jsonl")
     versions = assert_versions_publish_sequence(events, start=0)
     assert versions[-1] == summary["version"] == summary["updates"], (versions, summary)
+    # every sample trained was one of a consumed rollout's, each counted once
+    assert summary["env_steps_trained"] == sum(e["env_steps"] for e in events if e["event"] == "consume"), summary
     cons = assert_consume_lags(events, max_lag=0)       # standard mode is strictly on-policy: lag 0
     assert {e["actor"] for e in cons} == {0, 1}, "both actors' rollouts must be consumed"
     assert all(e["env_steps"] == 8 * 32 for e in cons)  # num_envs x buffer_size
