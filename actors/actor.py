@@ -20,7 +20,8 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 
 from actors.emulated_device import device_for
-from actors.inference import InferenceStopped, InferenceUnavailable, RemotePolicy, endpoint_path, server_of
+from actors.inference import (InferenceRefused, InferenceStopped, InferenceUnavailable, RemotePolicy, endpoint_path,
+                              server_of)
 from actors.rollout import Collector, EnvParts, sends_bootstrap_obs
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire
@@ -330,6 +331,11 @@ class Actor:
             return False
         except InferenceUnavailable as e:
             return self._give_up(str(e))
+        except InferenceRefused as e:   # our envs gave observations the policy cannot act on
+            log.error("actor %d: %s; exiting", self.actor_id, e)
+            self.failed = True
+            self.stop_event.set()
+            return False
         if out is None:
             return False
         rollout, stats, index = out

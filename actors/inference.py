@@ -52,7 +52,7 @@ from tensordict import TensorDict, TensorDictBase
 from shared import keys, wire
 from shared.config import Config
 from shared.envs.base import EnvSpec
-from shared.rollout import rollout_template
+from shared.rollout import MAX_ABS_VALUE, rollout_template
 
 log = logging.getLogger("tandem.inference")
 
@@ -62,6 +62,11 @@ ENDPOINT_CHECK_S = 1.0    # how often a waiting actor looks for a restarted serv
 
 class InferenceStopped(Exception):
     """The actor was asked to stop while it waited for the server."""
+
+
+class InferenceRefused(Exception):
+    """The server could not act on this actor's observations (its policy raised on them): the
+    actor ends, as it would with ``local``, and the launcher starts it again with fresh envs."""
 
 
 class InferenceUnavailable(Exception):
@@ -117,6 +122,7 @@ class Request:
     obs: Any                       # a tensor [n, ...] or a TensorDict [n] (multi-modal)
     n: int
     min_version: int = -1
+    incarnation: str | None = None   # the learner life of min_version (versions of two lives do not compare)
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -126,7 +132,8 @@ def _is_int(x: Any) -> bool:
 
 class RequestChecker:
     """What a request must be: a wire message of kind "act" or "value" from an actor this server
-    serves, observations exactly of the env's schema for 1..num_envs envs, finite. Checked on the
+    serves, observations exactly of the env's schema for 1..num_envs envs, finite and within
+    +-``MAX_ABS_VALUE`` (as the learner's intake wants every rollout's floats). Checked on the
     decoded leaves: a TensorDict per request is built only for multi-modal observations."""
 
     def __init__(self, spec: EnvSpec, num_envs: int, actors: list[int]):
@@ -153,6 +160,10 @@ class RequestChecker:
         min_version = meta.get("min_version", -1)
         if not _is_int(min_version) or min_version < -1:
             raise wire.WireError(f"'min_version' must be an int >= -1, got {min_version!r}")
+        incarnation = meta.get("incarnation")
+        if incarnation is not None and not (isinstance(incarnation, str) and len(incarnation) <= 128):
+            raise wire.WireError(f"'incarnation' must be a string of at most 128 characters, got "
+                                 f"{str(incarnation)[:40]!r}")
         if len(batch) != 1 or not 1 <= batch[0] <= self.num_envs:
             raise wire.WireError(f"batch size {batch}: must be [n] with 1 <= n <= {self.num_envs} "
                                  f"(actors.num_envs)")
@@ -163,16 +174,21 @@ class RequestChecker:
         got = {path: (tuple(t.shape[1:]), t.dtype) for path, t in leaves.items()}
         if got != self.expected:
             raise wire.WireError(f"observation {_describe(got)} does not match the env's {_describe(self.expected)}")
-        for t in leaves.values():
-            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-                raise wire.WireError("observation holds NaN or inf")
+        for path, t in leaves.items():
+            if t.dtype.is_floating_point and t.numel():
+                top = float(t.abs().max())       # NaN propagates through max
+                if not math.isfinite(top):
+                    raise wire.WireError(f"observation {'/'.join(path[1:]) or 'obs'} holds NaN or inf")
+                if top > MAX_ABS_VALUE:
+                    raise wire.WireError(f"observation {'/'.join(path[1:]) or 'obs'} holds values beyond "
+                                         f"+-{MAX_ABS_VALUE:g}")
         if self.nested:
             obs = TensorDict({}, batch_size=[n])
             for path, t in leaves.items():
                 obs.set(path[1:] if len(path) > 2 else path[1], t)
         else:
             obs = leaves[(keys.OBS,)]
-        return Request(route, actor, rid, kind, obs, n, min_version)   # aliases the frame, ours alone
+        return Request(route, actor, rid, kind, obs, n, min_version, incarnation)   # aliases the frame, ours alone
 
 
 def _describe(entries: dict) -> str:
@@ -209,7 +225,7 @@ class InferenceServer:
         self.max_queue = a.server_queue
         self.checker = RequestChecker(spec, a.num_envs, self.actors)
         self.waiting: list[Request] = []        # checked, not served yet (bounded by max_queue)
-        self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0}
+        self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0, "failed": 0}
         self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
         self._last_log = time.monotonic()
         self.stopped_by_learner = False
@@ -250,7 +266,13 @@ class InferenceServer:
         return any(self._servable(r) for r in self.waiting)
 
     def _servable(self, r: Request) -> bool:
-        return self.loader.version >= max(0, r.min_version) and not self.loader.torn
+        """Weights are loaded, whole, and new enough for the request: a version of the learner life
+        its ``min_version`` came from at least that, or any version of another life (a restarted
+        learner resumes at its checkpoint's, lower, version: standard mode acts with it at once)."""
+        if self.loader.torn or self.loader.version < 0:
+            return False
+        other_life = r.incarnation is not None and r.incarnation != self.loader.incarnation
+        return other_life or self.loader.version >= r.min_version
 
     def _receive(self, timeout_s: float) -> None:
         """Take requests off the socket: wait up to `timeout_s` for the first; after a servable one
@@ -275,8 +297,12 @@ class InferenceServer:
                 if wait_ms == 0 or time.perf_counter() >= deadline:
                     return
                 continue
-            while self.sock.poll(0):
+            for _ in range(self.max_queue):   # bounded: a flood of requests cannot keep batches from going out
+                if not self.sock.poll(0):
+                    break
                 self._take(self.sock.recv_multipart(copy=False))
+            if time.perf_counter() >= deadline:
+                return
 
     def _take(self, frames: list) -> None:
         route, body = frames[0].bytes, frames[1:]
@@ -321,29 +347,17 @@ class InferenceServer:
         envs = sum(r.n for r in batch)
         self.counts["batches"] += 1          # before any reply: whoever has a reply sees its batch counted
         self.counts["envs"] += envs
+        meta = {"version": version, "incarnation": incarnation, "received": received}
         for kind in ("act", "value"):
             reqs = [r for r in batch if r.kind == kind]
             if not reqs:
                 continue
-            obs = torch.cat([r.obs for r in reqs]).to(self.loader.device)
-            td = TensorDict({keys.OBS: obs}, batch_size=[obs.shape[0]])
-            if kind == "act":
-                out = self.policy(td)
-                outs = {k: out[k] for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE) if k in out.keys()}
-            else:
-                outs = {keys.VALUE: self.policy.get_value(td)}
-            outs = {k: v.cpu() for k, v in outs.items()}
-            start = 0
-            for r in reqs:
-                part = [((k,), v[start:start + r.n]) for k, v in outs.items()]
-                start += r.n
-                frames = wire.encode_leaves([r.n], part, kind="reply", id=r.rid, version=version,
-                                            incarnation=incarnation, received=received)
-                try:
-                    self.sock.send_multipart([r.route, *frames], flags=zmq.NOBLOCK)
-                    self.counts["replies"] += 1
-                except zmq.ZMQError as e:   # its queue is full or it is gone: never block the others
-                    self._refuse("busy", r.route, f"its reply could not be sent ({e})")
+            try:
+                outs = self._forward(kind, reqs)
+            except Exception as e:   # what one actor's observations did to the policy must not end the server
+                self._isolate(kind, reqs, e, meta)
+                continue
+            self._reply(reqs, outs, meta)
         w = self._window
         w["batches"] += 1
         w["envs"] += envs
@@ -352,6 +366,55 @@ class InferenceServer:
         took = time.perf_counter() - t0
         w["forward_s"] += took
         self.forward_ema_s += 0.1 * (took - self.forward_ema_s)
+
+    def _forward(self, kind: str, reqs: list[Request]) -> dict[str, torch.Tensor]:
+        obs = torch.cat([r.obs for r in reqs]).to(self.loader.device)
+        td = TensorDict({keys.OBS: obs}, batch_size=[obs.shape[0]])
+        if kind == "act":
+            out = self.policy(td)
+            outs = {k: out[k] for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE) if k in out.keys()}
+        else:
+            outs = {keys.VALUE: self.policy.get_value(td)}
+        return {k: v.cpu() for k, v in outs.items()}
+
+    def _reply(self, reqs: list[Request], outs: dict[str, torch.Tensor], meta: dict) -> None:
+        start = 0
+        for r in reqs:
+            part = [((k,), v[start:start + r.n]) for k, v in outs.items()]
+            start += r.n
+            self._send(r, wire.encode_leaves([r.n], part, kind="reply", id=r.rid, **meta))
+
+    def _send(self, r: Request, frames: list, reply: bool = True) -> None:
+        try:
+            self.sock.send_multipart([r.route, *frames], flags=zmq.NOBLOCK)
+            self.counts["replies"] += reply
+        except zmq.ZMQError as e:   # its queue is full or it is gone: never block the others
+            self._refuse("busy", r.route, f"its reply could not be sent ({e})")
+
+    def _isolate(self, kind: str, reqs: list[Request], error: Exception, meta: dict) -> None:
+        """The policy raised on a batch (observations it cannot act on: out of its vocabulary, huge
+        values that give NaN probabilities, ...): serve each request alone, and refuse the ones that
+        fail alone, with an error reply (their actor ends, as it would acting locally, and the
+        launcher restarts it). A device left unusable (a CUDA assert is sticky) ends the server, so
+        the launcher starts a fresh one."""
+        if self.loader.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.loader.device)
+            except Exception:
+                log.error("inference server %d: the device failed on a batch and stays unusable (%s: %s); "
+                          "exiting for a restart", self.server_id, type(error).__name__, error)
+                raise error
+        for r in reqs:
+            try:
+                outs = self._forward(kind, [r]) if len(reqs) > 1 else None
+            except Exception as e:
+                error, outs = e, None
+            if outs is not None:
+                self._reply([r], outs, meta)
+                continue
+            why = f"the policy failed on its observations: {type(error).__name__}: {error}"[:500]
+            self._refuse("failed", r.route, f"actor {r.actor}, request {r.rid}: {why}")
+            self._send(r, wire.encode_leaves([0], [], kind="error", id=r.rid, why=why), reply=False)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -362,12 +425,14 @@ class InferenceServer:
         line = {"batches": w["batches"], "batch_envs_mean": w["envs"] / b, "batch_envs_max": w["max_envs"],
                 "batch_requests_mean": w["requests"] / b, "forward_ms_mean": 1000 * w["forward_s"] / b,
                 "busy_frac": w["forward_s"] / max(1e-9, now - self._last_log), "version": self.loader.version,
-                "malformed": c["malformed"], "busy": c["busy"]}
-        log.info("inference server %d: v%d | %d batches, %.1f envs (max %d) from %.1f requests each, "
-                 "%.1f ms per batch, busy %.0f%% | dropped %d malformed, %d busy", self.server_id,
-                 line["version"], line["batches"], line["batch_envs_mean"], line["batch_envs_max"],
-                 line["batch_requests_mean"], line["forward_ms_mean"], 100 * line["busy_frac"],
-                 line["malformed"], line["busy"])
+                "malformed": c["malformed"], "busy": c["busy"], "failed": c["failed"],
+                # the wait in force: server_max_wait_ms, or half the recent time per batch if less
+                "wait_ms": 1000 * min(self.max_wait_s, 0.5 * self.forward_ema_s)}
+        log.info("inference server %d: v%d | %d batches, %.1f envs (max %d of %d) from %.1f requests each, "
+                 "%.1f ms per batch, busy %.0f%%, waits up to %.1f ms | dropped %d malformed, %d busy, %d failed",
+                 self.server_id, line["version"], line["batches"], line["batch_envs_mean"], line["batch_envs_max"],
+                 self.max_batch, line["batch_requests_mean"], line["forward_ms_mean"], 100 * line["busy_frac"],
+                 line["wait_ms"], line["malformed"], line["busy"], line["failed"])
         if self.writer is not None:
             step = c["batches"]
             for k, v in line.items():
@@ -469,6 +534,8 @@ class RemotePolicy:
         meta = {"kind": kind, "actor": self.actor_id, "id": rid}
         if kind == "act" and self.min_version >= 0:
             meta["min_version"] = self.min_version
+            if self.incarnation is not None:   # the learner life our last version came from
+                meta["incarnation"] = self.incarnation
         frames = wire.encode_leaves([td.batch_size[0]], leaves, **meta)   # the codec copies device tensors to the CPU
         self._pending[rid] = _Pending(kind, td.batch_size[0], frames, time.monotonic() + self.timeout_s)
         self._send_pending()
@@ -477,8 +544,9 @@ class RemotePolicy:
     def result(self, rid: int) -> TensorDict:
         """The reply to request `rid` (:meth:`submit`), waiting for it: ``action``, ``log_prob``
         (``value`` with a critic) and ``policy_version`` per env for "act", ``value`` for "value".
-        Raises :class:`InferenceStopped` when `should_stop` says so while waiting, and
-        :class:`InferenceUnavailable` after `timeout_s` without its reply."""
+        Raises :class:`InferenceStopped` when `should_stop` says so while waiting,
+        :class:`InferenceUnavailable` after `timeout_s` without its reply, and
+        :class:`InferenceRefused` when the server's policy failed on these observations."""
         while rid not in self._ready:
             if rid not in self._pending:
                 raise KeyError(f"request {rid}: not in flight (already taken, or cancelled)")
@@ -491,6 +559,8 @@ class RemotePolicy:
             if self.sock is not None and self.sock.poll(50):
                 self._take_reply(self.sock.recv_multipart(copy=False))
         out, kind = self._ready.pop(rid)
+        if kind == "error":
+            raise InferenceRefused(f"the inference server ({self.path}) could not act on request {rid}: {out}")
         if kind == "act":
             self.min_version = -1      # asked of a rollout's first requests only
         return out
@@ -530,6 +600,11 @@ class RemotePolicy:
         rid = rmeta.get("id")
         p = self._pending.get(rid) if _is_int(rid) else None
         if p is None:
+            return
+        if rmeta.get("kind") == "error":
+            why = rmeta.get("why")
+            del self._pending[rid]
+            self._ready[rid] = (why[:500] if isinstance(why, str) else "no reason given", "error")
             return
         version = rmeta.get("version")
         if not (_is_int(version) and version >= 0) or batch != [p.n] or any(len(k) != 1 for k in outs):
@@ -653,8 +728,9 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     finally:
         b = max(1, server.counts["batches"])
         log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each), %d malformed "
-                 "and %d busy requests dropped", server_id, server.counts["batches"], server.counts["envs"] / b,
-                 server.counts["replies"] / b, server.counts["malformed"], server.counts["busy"])
+                 "and %d busy requests dropped, %d failed", server_id, server.counts["batches"], server.counts["envs"] / b,
+                 server.counts["replies"] / b, server.counts["malformed"], server.counts["busy"],
+                 server.counts["failed"])
         if device.type == "cuda":   # where the server's device memory goes: the caching allocator's peaks
             log.info("inference server %d: peak device memory %.0f MiB allocated, %.0f MiB reserved", server_id,
                      torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20)

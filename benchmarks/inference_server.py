@@ -162,7 +162,7 @@ def server_batches(run_dir: Path) -> dict:
         return {}
     text = log.read_text(errors="replace")
     out = {}
-    reqs = [float(x) for x in re.findall(r"envs \(max \d+\) from ([\d.]+) requests each", text)]
+    reqs = [float(x) for x in re.findall(r"envs \(max \d+(?: of \d+)?\) from ([\d.]+) requests each", text)]
     if reqs:
         out["batch_requests"] = sum(reqs) / len(reqs)
     ms = [float(x) for x in re.findall(r"([\d.]+) ms per batch", text)]

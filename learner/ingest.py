@@ -28,12 +28,12 @@ from tensordict import TensorDictBase
 from shared import keys, wire
 from shared.envs import EnvSpec
 from shared.metrics import clean_metrics
+from shared.rollout import MAX_ABS_VALUE  # noqa: F401  (re-exported: the intake's bound)
 
 from learner.counters import RunCounters
 
 log = logging.getLogger("tandem.learner")
 
-MAX_ABS_VALUE = 1e8   # larger floats in a rollout are refused: they overflow the loss in float32
 # A Gaussian sample more than Z_MAX standard deviations from its mean has probability < 2e-23: no
 # actor of ours produces one. LOG_STD_RANGE bounds the log standard deviation a sane policy acts with.
 Z_MAX = 10.0

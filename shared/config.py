@@ -223,7 +223,8 @@ class ActorsConfig:
     version that acted (the server takes new weights between batches, so in vla mode that is
     weights_at "step")."""
     server_max_batch: Annotated[int, Range(ge=0)] = 0
-    """server: the most envs in one forward pass (0: every served actor's envs, num_envs each)."""
+    """server: the most envs in one forward pass (0: every served actor's envs, num_envs each); at
+    least one request's envs (num_envs / server_splits), since a request is never split."""
     server_max_wait_ms: Annotated[float, Range(ge=0, le=10_000)] = 5.0
     """server: how long a request may wait for others to join its batch; a slow or dead actor holds
     the others back by at most this."""
@@ -905,6 +906,10 @@ def _check(cfg: Config) -> list[str]:
         elif grpo and alg.group_size > 0 and (a.num_envs // a.server_splits) % alg.group_size:
             errors.append(f"actors.server_splits: parts of {a.num_envs // a.server_splits} envs split GRPO groups of "
                           f"{alg.group_size} (algorithm.cfg.group_size); a group must be in one part")
+        elif 0 < a.server_max_batch < a.num_envs // a.server_splits:
+            errors.append(f"actors.server_max_batch {a.server_max_batch}: one request holds "
+                          f"{a.num_envs // a.server_splits} envs (actors.num_envs / actors.server_splits) and is "
+                          f"never split; use 0 or at least that")
         per_device = dict.fromkeys(a.devices, 0)       # an entry no actor falls on would get idle servers
         for i in range(a.num_actors):
             per_device[a.devices[i % len(a.devices)]] += 1

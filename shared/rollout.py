@@ -17,6 +17,8 @@ from tensordict import TensorDict
 from shared import keys
 from shared.envs.base import EnvSpec
 
+MAX_ABS_VALUE = 1e8   # larger floats from a peer are refused (rollouts, requests): they overflow float32 maths
+
 
 def sends_bootstrap_obs(cfg, with_value: bool) -> bool:
     """Whether this run's rollouts carry ``bootstrap_observation`` (``shared/keys.py``): PPO with a

@@ -282,6 +282,12 @@ def test_server_batches_reads_the_servers_own_account_from_its_log(tmp_path):
     got = inference_server.server_batches(tmp_path)
     assert got == {"batch_requests": 6.98, "batches": 48, "batch_envs": 27.9, "forward_ms": pytest.approx(100.5),
                    "server_allocated_mib": 2380.0, "server_reserved_mib": 7600.0}
+    # without its closing line: the progress lines' mean requests per batch (older and newer lines)
+    (tmp_path / "logs" / "inference_0.log").write_text(
+        "inference server 0: v0 | 32 batches, 27.0 envs (max 32) from 6.0 requests each, 110.3 ms per batch, busy 70%\n"
+        "inference server 0: v2 | 16 batches, 30.0 envs (max 32 of 32) from 8.0 requests each, 90.7 ms per batch, "
+        "busy 60%, waits up to 5.0 ms | dropped 0 malformed, 0 busy, 0 failed\n")
+    assert inference_server.server_batches(tmp_path) == {"batch_requests": 7.0, "forward_ms": pytest.approx(100.5)}
 
 
 def test_the_acting_processes_memory_is_read_per_process_and_by_role(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tensordict import TensorDict
 
-from actors.inference import (InferenceServer, InferenceStopped, RemotePolicy, bind_router, endpoint_path,
+from actors.inference import (InferenceRefused, InferenceServer, InferenceStopped, RemotePolicy, bind_router, endpoint_path,
                               server_devices, server_of, served_actors, write_endpoint)
 from actors.rollout import Collector, EnvParts
 from actors.weights_loader import WeightsLoader
@@ -317,6 +317,10 @@ def test_a_silent_or_dead_actor_does_not_stall_the_others(tmp_path):
         gone(_obs(4, 0))                                   # actor 0 is served once ...
         frames = wire.encode(_obs(4, 1), kind="act", actor=0, id=99)
         gone.sock.send_multipart(frames)                   # ... asks again, and dies before the reply
+        deadline = time.monotonic() + 5.0
+        while s.server.counts["requests"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert s.server.counts["requests"] == 2, s.server.counts
         gone.close()
         alive = s.remote(1)
         t0 = time.monotonic()
@@ -327,6 +331,62 @@ def test_a_silent_or_dead_actor_does_not_stall_the_others(tmp_path):
         while s.server.counts["replies"] < 11 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert s.server.counts["replies"] >= 11, s.server.counts
+        # the dead actor's request was served: its reply went out before the socket closed, or was
+        # refused (busy); either way it cost actor 1 nothing
+        assert s.server.counts["replies"] + s.server.counts["busy"] == 12, s.server.counts
+        assert s.server.counts["requests"] == 12 and not s.server.waiting
+    finally:
+        s.close()
+
+
+class _Picky:
+    """A policy that raises on an observation whose first entry is 777 (as a policy may on what it
+    cannot act on: a token id out of its vocabulary, values that overflow its logits)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def _check(self, td):
+        if bool((td[keys.OBS][:, 0] == 777).any()):
+            raise ValueError("picky: 777 is not an observation")
+
+    def __call__(self, td):
+        self._check(td)
+        return self.policy(td)
+
+    def get_value(self, td):
+        self._check(td)
+        return self.policy.get_value(td)
+
+
+def test_observations_the_policy_raises_on_refuse_their_request_alone_and_the_server_goes_on(tmp_path):
+    s = Served(tmp_path, server_max_wait_ms=2000.0)      # both actors' requests in one batch
+    try:
+        s.server.policy = _Picky(s.policy)
+        s.weights.publish(s.learner, 0)
+        s.start()
+        bad_actor, good_actor = s.remote(0), s.remote(1)
+        bad = _obs(4, 0)
+        bad[keys.OBS][2, 0] = 777.0
+        got = {}
+
+        def act_bad():
+            try:
+                bad_actor(bad)
+            except InferenceRefused as e:
+                got["refused"] = str(e)
+        t = threading.Thread(target=act_bad)
+        t.start()
+        out = good_actor(_obs(4, 1))                          # served, in the batch that failed
+        t.join(timeout=10)
+        assert out[keys.ACTION].shape == (4, 1) and out[keys.POLICY_VERSION].eq(0).all()
+        assert "picky: 777" in got["refused"] and "request 1" in got["refused"], got
+        c = s.server.counts
+        assert c["failed"] == 1 and c["malformed"] == 0, c
+        with pytest.raises(InferenceRefused, match="picky"):  # a value request alike
+            bad_actor.get_value(bad)
+        good_actor.get_value(_obs(4, 2))                      # and the server still serves
+        assert s.thread.is_alive() and s.server.counts["failed"] == 2
     finally:
         s.close()
 
@@ -346,6 +406,26 @@ def test_a_request_waits_for_the_version_it_asks_for(served):
     served.weights.publish(served.learner, 1)
     t.join(timeout=10)
     assert got["out"][keys.POLICY_VERSION].eq(1).all() and waiting.min_version == -1
+
+
+def test_a_version_asked_of_one_learner_life_is_met_by_any_version_of_the_next(served):
+    """A restarted learner resumes at its checkpoint's version, lower than what the actors acted
+    with: a standard-mode request for the next version of the old life is served by the new life's
+    first weights (as a local actor acts with them at once), not held until the actor times out."""
+    served.weights.publish(served.learner, 5, incarnation="L1")
+    served.start()
+    actor = served.remote(0)
+    actor(_obs(4, 0))
+    assert (actor.version, actor.incarnation) == (5, "L1")
+    actor.min_version = 6                                    # standard mode: newer than the last rollout's
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("out", actor(_obs(4, 1))))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and served.server.waiting            # held: v5 of L1 is not newer than 5
+    served.weights.publish(served.learner, 2, incarnation="L2")   # the resumed learner, at a lower version
+    t.join(timeout=10)
+    assert not t.is_alive() and got["out"][keys.POLICY_VERSION].eq(2).all() and actor.incarnation == "L2"
 
 
 def test_a_remote_call_ends_on_stop_while_no_server_answers(tmp_path):
@@ -375,6 +455,8 @@ def _valid_frames(actor: int = 0, n: int = 4) -> tuple[TensorDict, dict]:
     (TensorDict({keys.OBS: torch.zeros(4, 3, dtype=torch.float64)}, [4]), {"kind": "act", "actor": 0, "id": 1},
      "does not match"),
     (TensorDict({keys.OBS: torch.full((4, 3), float("nan"))}, [4]), {"kind": "act", "actor": 0, "id": 1}, "NaN"),
+    (TensorDict({keys.OBS: torch.full((4, 3), 3e38)}, [4]), {"kind": "act", "actor": 0, "id": 1}, "beyond"),
+    (_obs(4, 0), {"kind": "act", "actor": 0, "id": 1, "min_version": 2, "incarnation": 7}, "'incarnation'"),
     (TensorDict({keys.OBS: torch.zeros(4, 3), "x": torch.zeros(4)}, [4]), {"kind": "act", "actor": 0, "id": 1},
      "carries only"),
 ])
@@ -396,6 +478,44 @@ def test_fuzzed_requests_never_stop_the_server(tmp_path, seed):
         assert c["malformed"] + len(s.server.waiting) == 1       # dropped and counted, or a request it can serve
         for r in s.server.waiting:                                # what it kept is of the schema
             assert r.obs.shape[1:] == (3,) and r.obs.dtype == torch.float32 and 1 <= r.n <= 4
+        s.weights.publish(s.learner, 0, incarnation="L1")
+        assert s.server._take_weights()
+        kept = s.server._batch()
+        if kept:
+            s.server._serve(kept)                                 # acting on it never raises either
+        # one reply (or error reply) for each request kept, each refused here: "fuzz" is no peer (busy)
+        assert c["busy"] == len(kept) and c["replies"] == 0 and c["batches"] == (1 if kept else 0), c
+    finally:
+        s.close()
+
+
+class _Endless:
+    """A socket that always has one more bad request (for 3 s at most): an endless flood."""
+
+    def __init__(self):
+        self.t0, self.taken = time.monotonic(), 0
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return time.monotonic() - self.t0 < 3.0
+
+    def recv_multipart(self, copy: bool = True) -> list:
+        self.taken += 1
+        return [zmq.Frame(b"flood"), zmq.Frame(b"not a request")]
+
+
+def test_a_flood_of_bad_requests_does_not_keep_batches_from_going_out(tmp_path):
+    """Requests that come faster than the server can check them: each pass takes at most
+    ``server_queue`` messages off the socket and then minds its deadline, so it goes on to serve."""
+    s = Served(tmp_path, server_queue=64)
+    try:
+        real, s.server.sock = s.server.sock, _Endless()
+        t = threading.Thread(target=s.server._receive, args=(0.05,), daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(timeout=2.5)
+        assert not t.is_alive(), "the receive loop went on taking the flood"
+        assert time.monotonic() - t0 < 1.0 and s.server.counts["malformed"] == s.server.sock.taken > 0
+        s.server.sock = real
     finally:
         s.close()
 
@@ -432,6 +552,9 @@ def test_the_config_refuses_what_a_server_cannot_do():
         _cfg(server_splits=3)
     with pytest.raises(ConfigError, match="server_splits 2 needs actors.inference"):
         _cfg(server_splits=2, inference="local")
+    with pytest.raises(ConfigError, match="server_max_batch 3: one request holds 4 envs"):
+        _cfg(server_max_batch=3)                                      # a request is never split
+    assert _cfg(server_max_batch=2, server_splits=2).actors.server_max_batch == 2
     grpo = {"env": {"id": ENV}, "trainer": {"buffer_type": "vla", "buffer_size": 8}, "policy": {"name": "actor_only"},
             "algorithm": {"name": "grpo", "cfg": {"batch_size": 32, "group_size": 4}},
             "actors": {"num_envs": 8, "inference": "server", "server_splits": 4}}

@@ -1,7 +1,9 @@
 """Issue 12, done-when 3: kill the learner while two actors run, restart it with --resume, and
-training continues, in standard mode and in vla mode with ``lag_policy: pace``, and there with the
+training continues, in standard mode and in vla mode with ``lag_policy: pace``, and in both with the
 actors acting through an inference server (which takes the weights; the actors subscribe to the
-weights socket's control topic alone, for the stop and their credits).
+weights socket's control topic alone, for the stop and their credits). In standard mode through a
+server, an actor's request for a version newer than its last rollout's is met by the resumed
+learner's first (lower) version.
 
 The learner and the actors are separate ``python -m`` processes (as under Slurm or ssh), on fixed
 ports so that the actors' sockets reconnect to the restarted learner by themselves. Checkpoints
@@ -49,7 +51,7 @@ def _checkpoint_versions(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("ckpt_*.pt"))
 
 
-@pytest.mark.parametrize("mode", ["standard", "vla_pace", "vla_pace_server"])
+@pytest.mark.parametrize("mode", ["standard", "standard_server", "vla_pace", "vla_pace_server"])
 def test_learner_killed_and_resumed_while_actors_run(tmp_path, mode):
     run_dir = tmp_path / "run"
     rollout_port, weights_port = _free_ports(2)
