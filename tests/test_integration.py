@@ -672,6 +672,43 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     assert_consume_lags(events, max_lag=2)
 
 
+def test_grpo_with_dynamic_sampling_through_a_server_acts_each_group_with_one_version(tmp_path):
+    """GRPO in vla mode through an inference server, each actor's envs in two parts (two requests in
+    flight, each of whole groups), with dynamic sampling, through the launcher. From the recorded
+    batches: at every step all members of a group acted with one version (a group is always in one
+    request, which one batch serves), and the updates counted the groups kept and left out."""
+    from tensordict import TensorDict
+    run_dir = tmp_path / "run"
+    group = 4
+    run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "cartpole_grpo.json"),
+                 "--steps", "12800", "--set", "trainer.eval_freq=0", "--set", "trainer.buffer_type=vla",
+                 "--set", "trainer.buffer_size=100", "--set", "trainer.record=true",
+                 "--set", "actors.inference=server", "--set", "actors.server_splits=2",
+                 "--set", f"algorithm.cfg.group_size={group}", "--set", "algorithm.cfg.dynamic_sampling=true")
+    try:
+        rc = run.wait(RUN_TIMEOUT_S)
+        assert rc == 0, run.output()
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["updates"] >= 2 and summary["malformed"] == 0, summary
+    updates = update_lines(read_jsonl(run_dir / "metrics.jsonl"))
+    assert updates and all("grpo/groups_kept" in u and u["grpo/groups_kept"] >= 1 for u in updates), updates
+    batches = sorted((run_dir / "record").glob("update_*"))
+    assert len(batches) == summary["updates"], batches
+    acted = set()
+    for path in batches:
+        versions = TensorDict.load_memmap(path)["policy_version"]           # [k, N, T]
+        k, n, t = versions.shape
+        by_group = versions.reshape(k, n // group, group, t)
+        assert (by_group == by_group[:, :, :1]).all(), f"{path.name}: a group acted with two versions at one step"
+        acted.update(versions.unique().tolist())
+    assert len(acted) >= 2, acted                                           # versions did change under way
+    log = (run_dir / "logs" / "inference_0.log").read_text()
+    assert re.search(r"inference server 0: stopping after [1-9]\d* batches", log), log
+
+
 def test_two_inference_servers_on_one_device_deal_out_its_actors(tmp_path):
     """actors.servers_per_device 2 through the launcher: two servers for the one device, actors dealt out
     in turn (0 and 2 to server 0, 1 and 3 to server 1), each acting for its own, and the run ends
