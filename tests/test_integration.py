@@ -261,9 +261,22 @@ def assert_update_metrics(metrics: list[dict], updates: int) -> list[dict]:
     return lines
 
 
+def finish(run: Started, run_dir: Path, every: Callable[[], None] | None = None) -> str:
+    """Wait for a launched run to exit 0 (calling `every` while it runs) and leave nothing behind,
+    stopping it whatever happens; returns its output."""
+    try:
+        rc = run.wait(RUN_TIMEOUT_S, every=every)
+        out = run.output()
+        assert rc == 0, out
+        run.assert_all_gone(run_dir)
+    finally:
+        run.stop()
+    return out
+
+
 def run_to_the_end(run: Started, run_dir: Path) -> list[dict]:
-    """Wait for a launched run to exit 0 and leave nothing behind; returns ``endpoints.json`` as seen
-    while the run went (it lives only while the learner runs), or [] if it never was."""
+    """:func:`finish`; returns ``endpoints.json`` as seen while the run went (it lives only while the
+    learner runs), or [] if it never was."""
     seen: list[dict] = []
 
     def grab() -> None:
@@ -272,12 +285,7 @@ def run_to_the_end(run: Started, run_dir: Path) -> list[dict]:
                 seen.append(json.loads((run_dir / "endpoints.json").read_text()))
             except (OSError, ValueError):
                 pass
-    try:
-        rc = run.wait(RUN_TIMEOUT_S, every=grab)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir, every=grab)
     return seen
 
 
@@ -352,12 +360,7 @@ def test_vla_mode_runs(tmp_path):
     run_dir = tmp_path / "run"
     run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
                  "--set", "trainer.eval_freq=0")
-    try:
-        rc = run.wait(RUN_TIMEOUT_S)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir)
 
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["trainer"]["buffer_type"] == "vla"
@@ -393,12 +396,7 @@ def test_slow_actor_does_not_block_vla(tmp_path):
                  "--set", "trainer.lag_policy=drop",
                  "--set", "trainer.eval_freq=0", "--set", f"actors.slowdown_s={slowdown_s}",
                  "--set", "actors.slow_actor_ids=[1]")
-    try:
-        rc = run.wait(RUN_TIMEOUT_S)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir)
 
     cfg = json.loads((run_dir / "config.json").read_text())
     slow_rollout_s = cfg["trainer"]["buffer_size"] * slowdown_s      # a lower bound on actor 1's collect time
@@ -600,12 +598,7 @@ def test_grpo_run_local(tmp_path):
     run_dir = tmp_path / "run"
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "cartpole_grpo.json"), "--steps", "24000",
                  "--set", "trainer.eval_freq=0")
-    try:
-        rc = run.wait(RUN_TIMEOUT_S)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["updates"] >= 2, summary
     events = read_jsonl(run_dir / "versions.jsonl")
@@ -654,13 +647,7 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
         pid = json.loads(path.read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
-    try:
-        rc = run.wait(RUN_TIMEOUT_S, every=kill_once)
-        out = run.output()
-        assert rc == 0, out
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    out = finish(run, run_dir, every=kill_once)
     assert killed, "the run ended before the server could be killed"
     assert "[launch] inference server 0 exited with code 137: restart 1/" in out, out
     log = (run_dir / "logs" / "inference_0.log").read_text()
@@ -685,12 +672,7 @@ def test_grpo_with_dynamic_sampling_through_a_server_acts_each_group_with_one_ve
                  "--set", "trainer.buffer_size=100", "--set", "trainer.record=true",
                  "--set", "actors.inference=server", "--set", "actors.server_splits=2",
                  "--set", f"algorithm.cfg.group_size={group}", "--set", "algorithm.cfg.dynamic_sampling=true")
-    try:
-        rc = run.wait(RUN_TIMEOUT_S)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["updates"] >= 2 and summary["malformed"] == 0, summary
     updates = update_lines(read_jsonl(run_dir / "metrics.jsonl"))
@@ -717,12 +699,7 @@ def test_two_inference_servers_on_one_device_deal_out_its_actors(tmp_path):
     run = launch(tmp_path, run_dir, "--no-eval", "--actors", "4", "--steps", "4096", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.buffer_type=vla", "--set", "actors.inference=server",
                  "--set", "actors.servers_per_device=2")
-    try:
-        rc = run.wait(RUN_TIMEOUT_S)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir)
     for server, actors in ((0, "[0, 2]"), (1, "[1, 3]")):
         log = (run_dir / "logs" / f"inference_{server}.log").read_text()
         assert f"inference server {server} on cpu for actors {actors}" in log, log

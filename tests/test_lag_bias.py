@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.test_integration import CONFIG, RUN_TIMEOUT_S, launch, read_jsonl
+from tests.test_integration import CONFIG, finish, launch, read_jsonl
 
 MAX_LAG = 1
 pytestmark = pytest.mark.slow   # two launcher runs (~30-60 s here); CI runs it
@@ -28,12 +28,7 @@ def _run(tmp_path, policy: str) -> tuple[dict, list[dict]]:
                  "--set", "actors.num_envs=4", "--set", "trainer.buffer_size=32",
                  "--set", "algorithm.cfg.batch_size=64", "--set", "algorithm.cfg.n_epochs=1",
                  "--set", "actors.slowdown_s=0.01", "--set", "actors.slow_actor_ids=[1]", name=policy)
-    try:
-        rc = run.wait(RUN_TIMEOUT_S)
-        assert rc == 0, run.output()
-        run.assert_all_gone(run_dir)
-    finally:
-        run.stop()
+    finish(run, run_dir)
     return json.loads((run_dir / "summary.json").read_text()), read_jsonl(run_dir / "versions.jsonl")
 
 
