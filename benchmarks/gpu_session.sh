@@ -47,6 +47,10 @@
 #      so env steps/s is what acting reaches beside a busy learner on the same GPU (under pace, step 11,
 #      both modes run at the learner's pace there), with the samples trained per second beside it;
 #      reuses step 11's prebuilt model when it ran first (about 3 minutes)
+#  11c. server-a0-cpu: no GPU used: issue 47's done-when 2 at a = 0 on the lent machine's CPU cores
+#      (the 2-core VM has fewer cores than the run has processes): benchmarks/async_speedup.py --latency 0
+#      with four actors sharing one device (local copies taking turns), through a server, and each on its
+#      own device, seeds $TANDEM_A0_SEEDS (default 1 2 3), one sitting (about 1 minute a seed)
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
 #      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
 #
@@ -228,6 +232,12 @@ if want inference-server-free; then
     --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
     --buffer-size 8 --timeout 115 "${pre[@]}" --set policy.vla_config.autocast=true --set learner.device=$DEV \
     --set trainer.lag_policy=drop --out "$RUNS/inference_server_free" --json "$OUTDIR/inference_server_free.json"
+fi
+if want server-a0-cpu; then
+  for s in ${TANDEM_A0_SEEDS:-1 2 3}; do
+    step "server-a0-cpu-s$s" 150 "$PY" benchmarks/async_speedup.py --latency 0 \
+      --variants vla4-1dev,server4-1dev,vla4-4dev --set trainer.seed=$s --json "$OUTDIR/server_a0_cpu_s$s.json"
+  done
 fi
 if want reach-ds; then
   step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \
