@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from shared.config import ConfigError, load_config
+from shared.console import dump_stacks_on_signal
 from shared.transport import read_endpoints
 
 
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learner-timeout", type=float, default=120.0,
                    help="seconds without the learner before exiting (default 120)")
     args = p.parse_args(argv)
+    dump_stacks_on_signal()
     logging.basicConfig(level=logging.INFO, format=f"[actor {args.actor_id}] %(message)s")
     try:
         cfg = load_config(args.config, args.set)

@@ -750,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from shared.config import ConfigError, load_config
+    from shared.console import dump_stacks_on_signal
     p = argparse.ArgumentParser(prog="python -m actors.inference", description=main.__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--server-id", type=int, required=True, help="which server: index into server_devices (the distinct "
@@ -761,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--learner-timeout", type=float, default=120.0)
     args = p.parse_args(argv)
+    dump_stacks_on_signal()
     logging.basicConfig(level=logging.INFO, format=f"[inference {args.server_id}] %(message)s")
     try:
         cfg = load_config(args.config, args.set)

@@ -143,14 +143,22 @@ is_my_child() {  # /proc/PID/stat is "PID (COMM) STATE PPID ..."
 }
 
 stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
-  local pids=("${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}" $LEARNER_PID) deadline=$((SECONDS + 10))
+  local pids=("${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}" $LEARNER_PID) deadline=$((SECONDS + 10)) stuck=()
   kill -TERM "${pids[@]}" 2>/dev/null
   for p in "${pids[@]}"; do
     while kill -0 "$p" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.1; done
   done
   for p in "${pids[@]}"; do
-    # children first: torchrun's ranks would outlive a killed torchrun
-    kill -0 "$p" 2>/dev/null && { echo "[launch] killing $p (did not stop in time)"; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; }
+    kill -0 "$p" 2>/dev/null || continue
+    # first ask for its threads' stacks (SIGUSR1: shared/console.py), so that the log says where it
+    # hung; torchrun does not take the signal, its ranks do
+    if [[ "$p" == "$LEARNER_PID" && "$WORLD" -gt 1 ]]; then pkill -USR1 -P "$p" 2>/dev/null; else kill -USR1 "$p" 2>/dev/null; fi
+    stuck+=("$p")
+  done
+  (( ${#stuck[@]} )) && sleep 1
+  for p in "${stuck[@]+"${stuck[@]}"}"; do
+    echo "[launch] killing $p (did not stop in time; its threads' stacks are in its log)"
+    pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null   # children first: torchrun's ranks would outlive it
   done
   wait 2>/dev/null
   # The tees end once their writers have: wait for them (the logs are complete when the launcher

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from shared.config import ConfigError, load_config
+from shared.console import dump_stacks_on_signal
 
 
 def default_run_dir(cfg) -> Path:
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set trainer.total_steps=50000 (repeatable)")
     args = p.parse_args(argv)
+    dump_stacks_on_signal()
     logging.basicConfig(level=logging.INFO, format="[learner] %(message)s")
     try:
         cfg = load_config(args.config, args.set)

@@ -32,6 +32,16 @@ def say(message: str) -> None:
         _silence()
 
 
+def dump_stacks_on_signal() -> None:
+    """SIGUSR1 prints every thread's Python stack to stderr (the process's log) and the process goes
+    on. ``launch/run_local.sh`` asks it of a process that did not stop in time before it kills it, so
+    a hang says where it was; a user can ask a run that seems stuck the same (``kill -USR1 PID``)."""
+    import faulthandler
+    import signal
+    if hasattr(signal, "SIGUSR1"):   # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def install() -> None:
     """Make the logging module quiet on a broken stderr too (it would print a traceback per record)."""
     import logging

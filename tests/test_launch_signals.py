@@ -174,6 +174,38 @@ def test_group_sigterm_with_the_launchers_reader_in_the_group(tmp_path):
     _assert_final_state(run_dir)
 
 
+def test_a_process_that_does_not_stop_in_time_leaves_its_stacks_in_its_log(tmp_path):
+    """An actor stuck in a 60 s env step ignores the launcher's SIGTERM past the 10 s it is given:
+    before killing it, the launcher asks it for its threads' stacks (SIGUSR1), and its log shows
+    where it was."""
+    run_dir = tmp_path / "run"
+    log_path = tmp_path / "launch.out"
+    proc, log = _start(["bash", str(LAUNCH), "--no-eval", "--actors", "1", "--steps", "1000000", "--out", str(run_dir),
+                        "--set", "actors.slowdown_s=60"], log_path)
+    pgid = proc.pid
+    actor_log = run_dir / "logs" / "actor_0.log"
+    try:
+        deadline = time.monotonic() + PUBLISH_TIMEOUT_S
+        while "running on cpu" not in (actor_log.read_text() if actor_log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        time.sleep(1)                                       # into its first (60 s) step
+        os.kill(proc.pid, signal.SIGTERM)                   # the launcher alone: it stops the others
+        rc = proc.wait(timeout=EXIT_TIMEOUT_S)
+        assert _wait_group_gone(proc, GONE_TIMEOUT_S), f"left running: {_group_members(pgid)}"
+    finally:
+        _kill_group(pgid)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+    out = log_path.read_text()
+    assert rc == 128 + signal.SIGTERM, out
+    assert re.search(r"\[launch\] killing \d+ \(did not stop in time; its threads' stacks are in its log\)", out), out
+    stacks = actor_log.read_text()
+    assert "Current thread" in stacks and re.search(r'File ".*emulated_device.py", line \d+ in step', stacks), stacks
+
+
 def _readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     m = re.search(r"```bash\n(.*?)```", text, re.S)
