@@ -343,7 +343,7 @@ class Actor:
         if self.incarnation is not None and r.incarnation != self.incarnation:   # the learner restarted
             self._consumed_base, self._seq_base = None, self.seq
         self.loader.version, self.loader.incarnation = r.version, r.incarnation
-        self._last_acted = int(rollout[keys.POLICY_VERSION].max())
+        self._last_acted = r.version   # the last reply's: a rollout across a learner restart mixes two lives
         self._synced, r.synced = r.synced, []
         return self._send(rollout, stats, index)
 

@@ -17,7 +17,8 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   learner's versions, the frozen base checked); every reply carries the version that acted, which
   the collector stamps on that step, so per-sample versions, lag accounting, corrections and the
   staleness report see exactly what acted. An actor in standard mode asks for a minimum version at
-  the start of a rollout (``min_version``), and the server holds that request until it has one;
+  the start of a rollout (``min_version``, with the learner life it counts in), and the server
+  holds that request until it has one, or any version of another life (a resumed learner's);
 - requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
   and counted with its sender in the log, and the queue of requests waiting for a batch is bounded
   (``actors.server_queue``); CURVE applies to its socket where the run uses it;
@@ -164,6 +165,13 @@ class RequestChecker:
         if incarnation is not None and not (isinstance(incarnation, str) and len(incarnation) <= 128):
             raise wire.WireError(f"'incarnation' must be a string of at most 128 characters, got "
                                  f"{str(incarnation)[:40]!r}")
+        try:
+            return self._check_body(route, actor, rid, kind, min_version, incarnation, batch, leaves)
+        except wire.WireError as e:
+            e.rid = rid      # one of our actors' requests: the server tells it why
+            raise
+
+    def _check_body(self, route, actor, rid, kind, min_version, incarnation, batch, leaves) -> Request:
         if len(batch) != 1 or not 1 <= batch[0] <= self.num_envs:
             raise wire.WireError(f"batch size {batch}: must be [n] with 1 <= n <= {self.num_envs} "
                                  f"(actors.num_envs)")
@@ -311,6 +319,9 @@ class InferenceServer:
             req = self.checker.check(route, body)
         except wire.WireError as e:
             self._refuse("malformed", route, str(e))
+            rid = getattr(e, "rid", None)
+            if rid is not None:   # one of our actors' requests, bad by its observations: tell it, not wait
+                self._reply_error(route, rid, f"the request was refused: {e}")
             return
         except Exception as e:   # decode promises WireError only: a bug on bad input must not end the server
             self._refuse("malformed", route, f"{type(e).__name__}: {e}")
@@ -384,10 +395,10 @@ class InferenceServer:
             start += r.n
             self._send(r, wire.encode_leaves([r.n], part, kind="reply", id=r.rid, **meta))
 
-    def _send(self, r: Request, frames: list, reply: bool = True) -> None:
+    def _send(self, r: Request, frames: list) -> None:
         try:
             self.sock.send_multipart([r.route, *frames], flags=zmq.NOBLOCK)
-            self.counts["replies"] += reply
+            self.counts["replies"] += 1
         except zmq.ZMQError as e:   # its queue is full or it is gone: never block the others
             self._refuse("busy", r.route, f"its reply could not be sent ({e})")
 
@@ -397,24 +408,38 @@ class InferenceServer:
         fail alone, with an error reply (their actor ends, as it would acting locally, and the
         launcher restarts it). A device left unusable (a CUDA assert is sticky) ends the server, so
         the launcher starts a fresh one."""
-        if self.loader.device.type == "cuda":
-            try:
-                torch.cuda.synchronize(self.loader.device)
-            except Exception:
-                log.error("inference server %d: the device failed on a batch and stays unusable (%s: %s); "
-                          "exiting for a restart", self.server_id, type(error).__name__, error)
-                raise error
+        self._device_usable(error)
         for r in reqs:
             try:
                 outs = self._forward(kind, [r]) if len(reqs) > 1 else None
             except Exception as e:
+                self._device_usable(e)
                 error, outs = e, None
             if outs is not None:
                 self._reply([r], outs, meta)
                 continue
             why = f"the policy failed on its observations: {type(error).__name__}: {error}"[:500]
             self._refuse("failed", r.route, f"actor {r.actor}, request {r.rid}: {why}")
-            self._send(r, wire.encode_leaves([0], [], kind="error", id=r.rid, why=why), reply=False)
+            self._reply_error(r.route, r.rid, why)
+
+    def _reply_error(self, route: bytes, rid: int, why: str) -> None:
+        try:
+            self.sock.send_multipart([route, *wire.encode_leaves([0], [], kind="error", id=rid, why=why[:500])],
+                                     flags=zmq.NOBLOCK)
+        except zmq.ZMQError:   # the actor is gone or its queue is full: its request is counted already
+            pass
+
+    def _device_usable(self, error: Exception) -> None:
+        """Raise `error` (the server ends, and the launcher starts a new one) when the device it came
+        from cannot run anything more: a CUDA assert is sticky."""
+        if self.loader.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.loader.device)
+        except Exception:
+            log.error("inference server %d: the device failed and stays unusable (%s: %s); exiting for a "
+                      "restart", self.server_id, type(error).__name__, error)
+            raise error
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

@@ -227,7 +227,8 @@ want inference-server && step inference-server 250 "$PY" benchmarks/inference_se
   --set learner.device=$DEV --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
 if want inference-server-free; then
   pre=(--prebuild /tmp/tandem-0p5b)
-  [[ -n "$(ls -A /tmp/tandem-0p5b 2>/dev/null)" ]] && pre=(--set policy.vla_config.model_path=/tmp/tandem-0p5b)
+  # step 11's model, if it was saved whole (the adapter's keywords are written last)
+  [[ -f /tmp/tandem-0p5b/tandem_adapter.json ]] && pre=(--set policy.vla_config.model_path=/tmp/tandem-0p5b)
   step inference-server-free 250 "$PY" benchmarks/inference_server.py \
     --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
     --buffer-size 8 --timeout 115 "${pre[@]}" --set policy.vla_config.autocast=true --set learner.device=$DEV \

@@ -318,6 +318,17 @@ def test_bad_settings_name_the_fix(model, kwargs, match):
         ActionTokenPolicy(model, 2, **kwargs)
 
 
+@pytest.mark.parametrize("bad", [-1, 512, 10**9])      # the tiny model's vocabulary is 512
+def test_instruction_ids_outside_the_vocabulary_are_refused_before_the_lookup(model, bad):
+    """On CUDA such an id would be a device-side assert that leaves the device unusable (an
+    inference server would die with it); on the CPU it is refused first, with what is wrong."""
+    policy = ActionTokenPolicy(model, 2)
+    obs = reach_obs(2)
+    obs["instruction"][1, 0] = bad
+    with pytest.raises(ValueError, match=r"instruction ids must be in \[0, 512\)"):
+        policy.action_dist(obs)
+
+
 def test_loader_builds_it_from_json_config():
     model = load_vla_model("", "shared.policies.action_tokens.PaliGemmaActionTokenPolicy",
                            {"size": "tiny", "action_dim": 2, "decoding": "autoregressive"})

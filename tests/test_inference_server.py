@@ -327,8 +327,8 @@ def test_a_silent_or_dead_actor_does_not_stall_the_others(tmp_path):
         for i in range(10):                                # actor 1 alone: each batch waits at most 50 ms
             alive(_obs(4, 2 + i))
         assert time.monotonic() - t0 < 5.0
-        deadline = time.monotonic() + 5.0              # the server counts a batch after its replies went out
-        while s.server.counts["replies"] < 11 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 5.0              # the server counts a reply once it went out
+        while s.server.counts["replies"] + s.server.counts["busy"] < 12 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert s.server.counts["replies"] >= 11, s.server.counts
         # the dead actor's request was served: its reply went out before the socket closed, or was
@@ -421,7 +421,10 @@ def test_a_version_asked_of_one_learner_life_is_met_by_any_version_of_the_next(s
     got = {}
     t = threading.Thread(target=lambda: got.setdefault("out", actor(_obs(4, 1))))
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while not served.server.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)                                          # a few passes of the server's loop
     assert t.is_alive() and served.server.waiting            # held: v5 of L1 is not newer than 5
     served.weights.publish(served.learner, 2, incarnation="L2")   # the resumed learner, at a lower version
     t.join(timeout=10)
@@ -501,6 +504,18 @@ class _Endless:
     def recv_multipart(self, copy: bool = True) -> list:
         self.taken += 1
         return [zmq.Frame(b"flood"), zmq.Frame(b"not a request")]
+
+
+def test_an_actor_whose_request_is_refused_hears_why_at_once(served):
+    served.weights.publish(served.learner, 0)
+    served.start()
+    actor = served.remote(0, timeout_s=60)
+    bad = _obs(4, 0)
+    bad[keys.OBS][1, 2] = float("nan")
+    t0 = time.monotonic()
+    with pytest.raises(InferenceRefused, match="NaN"):
+        actor(bad)
+    assert time.monotonic() - t0 < 5 and served.server.counts["malformed"] == 1
 
 
 def test_a_flood_of_bad_requests_does_not_keep_batches_from_going_out(tmp_path):

@@ -439,7 +439,15 @@ class ActionTokenPolicy(nn.Module):
         instr = obs["instruction"]
         batch = instr.shape[:-1]
         dev = self._device()
-        instr = instr.reshape(-1, instr.shape[-1]).to(dev, torch.int64)   # [N, L]
+        instr = instr.reshape(-1, instr.shape[-1])
+        if instr.device.type == "cpu" and instr.numel():
+            # out of range, a lookup on CUDA is a device-side assert that leaves the device unusable: refuse
+            # such ids here, where checking costs nothing (an inference server's requests, a CPU actor's envs)
+            lo, hi, vocab = int(instr.min()), int(instr.max()), self.model.get_input_embeddings().weight.shape[0]
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"ActionTokenPolicy: instruction ids must be in [0, {vocab}) (the model's "
+                                 f"vocabulary), got ids from {lo} to {hi}")
+        instr = instr.to(dev, torch.int64)                                          # [N, L]
         n = instr.shape[0]
         parts = []
         if self.image_token_id is not None:
