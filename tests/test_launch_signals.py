@@ -91,6 +91,15 @@ def _wait_group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
     return True
 
 
+def _end(proc: subprocess.Popen, log) -> None:
+    """Whatever a test saw: nothing of the launcher's group left, and its output file closed."""
+    _kill_group(proc.pid)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+    log.close()
+
+
 def _start(args: list[str], log_path: Path) -> tuple[subprocess.Popen, object]:
     log = open(log_path, "wb")
     proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=log,
@@ -140,11 +149,7 @@ def test_group_sigterm_writes_final_checkpoint_and_summary(tmp_path):
         assert not [p for p in tees if _alive(p)], "a tee outlived the launcher"
         assert _wait_group_gone(proc, GONE_TIMEOUT_S), f"left running: {_group_members(pgid)}"
     finally:
-        _kill_group(pgid)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        _end(proc, log)
     out = log_path.read_text()
     assert rc == 128 + signal.SIGTERM, f"exit code {rc}:\n{out}"
     for bad in ("Traceback", "BrokenPipeError", "Broken pipe", "Terminated", "killing"):
@@ -166,11 +171,7 @@ def test_group_sigterm_with_the_launchers_reader_in_the_group(tmp_path):
         os.killpg(pgid, signal.SIGTERM)
         assert _wait_group_gone(proc, EXIT_TIMEOUT_S + GONE_TIMEOUT_S), f"left running: {_group_members(pgid)}"
     finally:
-        _kill_group(pgid)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        _end(proc, log)
     _assert_final_state(run_dir)
 
 
@@ -194,11 +195,7 @@ def test_a_process_that_does_not_stop_in_time_leaves_its_stacks_in_its_log(tmp_p
         rc = proc.wait(timeout=EXIT_TIMEOUT_S)
         assert _wait_group_gone(proc, GONE_TIMEOUT_S), f"left running: {_group_members(pgid)}"
     finally:
-        _kill_group(pgid)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        _end(proc, log)
     out = log_path.read_text()
     assert rc == 128 + signal.SIGTERM, out
     assert re.search(r"\[launch\] killing \d+ \(did not stop in time; its threads' stacks are in its log\)", out), out
