@@ -53,6 +53,7 @@ from tensordict import TensorDict, TensorDictBase
 from shared import keys, wire
 from shared.config import Config
 from shared.envs.base import EnvSpec
+from shared.policies import ids_out_of_bounds, observation_bounds
 from shared.rollout import MAX_ABS_VALUE, rollout_template
 
 log = logging.getLogger("tandem.inference")
@@ -137,8 +138,10 @@ class RequestChecker:
     +-``MAX_ABS_VALUE`` (as the learner's intake wants every rollout's floats). Checked on the
     decoded leaves: a TensorDict per request is built only for multi-modal observations."""
 
-    def __init__(self, spec: EnvSpec, num_envs: int, actors: list[int]):
+    def __init__(self, spec: EnvSpec, num_envs: int, actors: list[int],
+                 obs_bounds: dict[str, tuple[int, int]] | None = None):
         self.num_envs, self.actors = num_envs, set(actors)
+        self.obs_bounds = obs_bounds or {}   # the policy's token-id leaves (shared.policies.observation_bounds)
         one = rollout_template(spec, 1, 1, with_value=False)[keys.OBS][:, 0]
         self.nested = isinstance(one, TensorDictBase)
         obs_leaves = ({(keys.OBS, *(k if isinstance(k, tuple) else (k,))): v
@@ -194,6 +197,9 @@ class RequestChecker:
             obs = TensorDict({}, batch_size=[n])
             for path, t in leaves.items():
                 obs.set(path[1:] if len(path) > 2 else path[1], t)
+            bad = ids_out_of_bounds(obs, self.obs_bounds)
+            if bad:
+                raise wire.WireError(f"observation {bad}")
         else:
             obs = leaves[(keys.OBS,)]
         return Request(route, actor, rid, kind, obs, n, min_version, incarnation)   # aliases the frame, ours alone
@@ -231,7 +237,7 @@ class InferenceServer:
         # also bounded by half the recent time per batch (a cheap policy then serves what is there).
         self.forward_ema_s = self.max_wait_s * 2
         self.max_queue = a.server_queue
-        self.checker = RequestChecker(spec, a.num_envs, self.actors)
+        self.checker = RequestChecker(spec, a.num_envs, self.actors, observation_bounds(policy))
         self.waiting: list[Request] = []        # checked, not served yet (bounded by max_queue)
         self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0, "failed": 0}
         self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}

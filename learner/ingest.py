@@ -28,6 +28,7 @@ from tensordict import TensorDictBase
 from shared import keys, wire
 from shared.envs import EnvSpec
 from shared.metrics import clean_metrics
+from shared.policies import ids_out_of_bounds
 from shared.rollout import MAX_ABS_VALUE  # noqa: F401  (re-exported: the intake's bound)
 
 from learner.counters import RunCounters
@@ -132,13 +133,17 @@ class Intake:
         base_digest, incarnation: the frozen base's digest and this learner life's id, which rollouts
             must match.
         eval_token: the secret the learner gave its evaluator; results must carry it.
+        obs_bounds: the policy's token-id observation leaves and their valid range
+            (``shared.policies.observation_bounds``).
     """
 
     def __init__(self, cfg, spec: EnvSpec, template: TensorDictBase, counters: RunCounters,
                  store: Callable[[TensorDictBase, dict, bool], None], version: Callable[[], int],
                  accepting: Callable[[], bool], publish_times: dict[int, float], evals: queue.Queue,
-                 logger=None, base_digest: str = "", incarnation: str = "", eval_token: str | None = None):
+                 logger=None, base_digest: str = "", incarnation: str = "", eval_token: str | None = None,
+                 obs_bounds: dict[str, tuple[int, int]] | None = None):
         self.cfg, self.spec, self.counters, self.store = cfg, spec, counters, store
+        self.obs_bounds = obs_bounds or {}
         self.version, self.accepting = version, accepting
         self.publish_times, self.evals, self.logger = publish_times, evals, logger
         self.base_digest, self.incarnation = base_digest, incarnation
@@ -256,6 +261,11 @@ class Intake:
                     return f"rollout {k!r} holds NaN or inf"
                 if float(v.abs().max()) > MAX_ABS_VALUE:
                     return f"rollout {k!r} holds values beyond +-{MAX_ABS_VALUE:g}"
+        for top in (keys.OBS, keys.BOOTSTRAP_OBS):   # token ids the update would look up
+            obs = td.get(top, None) if self.obs_bounds else None
+            bad = ids_out_of_bounds(obs, self.obs_bounds) if isinstance(obs, TensorDictBase) else None
+            if bad:
+                return f"rollout {top!r}: {bad}"
         act = self.spec.action
         if act.kind == "discrete":
             a = td[keys.ACTION]

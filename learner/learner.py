@@ -49,7 +49,7 @@ from shared import keys
 from shared.config import Config
 from shared.console import say
 from shared.envs import EnvSpec, env_spec
-from shared.policies import frozen_digest, has_critic, make_policy, published_state, weights_digest
+from shared.policies import frozen_digest, has_critic, make_policy, observation_bounds, published_state, weights_digest
 from shared.rollout import rollout_template, sends_bootstrap_obs
 
 if TYPE_CHECKING:
@@ -156,7 +156,8 @@ class Learner:
         self.intake = Intake(cfg, self.spec, self.template, self.stats, store=self._store,
                              version=lambda: self.version, accepting=self._accepting,
                              publish_times=self.publish_times, evals=self.evals, logger=self.logger,
-                             base_digest=self.base_digest, incarnation=self.incarnation)
+                             base_digest=self.base_digest, incarnation=self.incarnation,
+                             obs_bounds=observation_bounds(self.policy))
 
     publisher = property(lambda self: self.weights_out.publisher,
                          lambda self, value: setattr(self.weights_out, "publisher", value),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +16,17 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tensordict import TensorDict
 
-from actors.inference import (InferenceRefused, InferenceServer, InferenceStopped, RemotePolicy, bind_router, endpoint_path,
-                              server_devices, server_of, served_actors, write_endpoint)
+from actors.inference import (InferenceRefused, InferenceServer, InferenceStopped, RemotePolicy, RequestChecker,
+                              bind_router, endpoint_path, server_devices, server_of, served_actors, write_endpoint)
 from actors.rollout import Collector, EnvParts
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire
 from shared.config import ConfigError, config_from_dict
 from shared.envs import env_spec, make_env
-from shared.policies import frozen_digest, make_policy, weights_td
+from shared.policies import frozen_digest, make_policy, observation_bounds, weights_td
 from tests.hostile import mutated_message
 
+ROOT = Path(__file__).resolve().parents[1]
 ENV = "Pendulum-v1"   # continuous actions: log-probs and values tell versions apart
 
 
@@ -516,6 +518,25 @@ def test_an_actor_whose_request_is_refused_hears_why_at_once(served):
     with pytest.raises(InferenceRefused, match="NaN"):
         actor(bad)
     assert time.monotonic() - t0 < 5 and served.server.counts["malformed"] == 1
+
+
+def test_a_request_with_token_ids_outside_the_vocabulary_is_refused_by_the_checker():
+    """The action-token VLA's instruction ids index its embedding: out of range, they are refused as
+    the request arrives (on CUDA the lookup would leave the device unusable)."""
+    from shared.config import load_config
+    cfg = load_config(ROOT / "configs" / "vla_tokens_reach_smoke.json", ["actors.inference=server"])
+    spec = env_spec(cfg.env.id, cfg.env.cfg)
+    policy = make_policy(cfg, spec)
+    checker = RequestChecker(spec, cfg.actors.num_envs, [0], observation_bounds(policy))
+    assert checker.obs_bounds == {"instruction": (0, 512)}
+    obs = make_env(cfg.env.id, 2, cfg.env.cfg, "cpu").reset(seed=0)
+    frames = [zmq.Frame(bytes(f)) for f in wire.encode(TensorDict({keys.OBS: obs}, [2]), kind="act", actor=0, id=5)]
+    assert checker.check(b"a", frames).n == 2
+    obs["instruction"][1, 0] = 600
+    frames = [zmq.Frame(bytes(f)) for f in wire.encode(TensorDict({keys.OBS: obs}, [2]), kind="act", actor=0, id=6)]
+    with pytest.raises(wire.WireError, match=r"'instruction' holds ids from 0 to 600, outside \[0, 512\)") as e:
+        checker.check(b"a", frames)
+    assert e.value.rid == 6                      # the server answers actor 0's request 6 with why
 
 
 def test_a_flood_of_bad_requests_does_not_keep_batches_from_going_out(tmp_path):

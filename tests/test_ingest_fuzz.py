@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from shared import wire
 from tests.hostile import mutated_message, rollout_meta, schema_attacks, valid_rollout
 from tests.test_learner_component import small_config
 
+ROOT = Path(__file__).resolve().parents[1]
 CASES = int(os.environ.get("TANDEM_FUZZ_INGEST", "5000"))
 
 
@@ -91,6 +93,30 @@ def test_every_schema_attack_is_refused_and_valid_data_trains(algo):
         valid_rollout(learner.template, learner.spec, 0), **rollout_meta(0, 2, 0))], "test")
     learner.update_once(*learner.take_batch(timeout_s=0))
     assert _finite(learner) and learner.version == 1
+
+
+def test_token_ids_outside_the_vlas_vocabulary_are_refused_at_the_intake():
+    """A rollout whose instruction ids lie outside the action-token model's vocabulary would reach
+    its embedding in the update (on CUDA a sticky device assert; on the CPU an IndexError that ends
+    the learner): the intake refuses it, naming the leaf, and valid data still trains."""
+    from shared.config import load_config
+    cfg = load_config(ROOT / "configs" / "vla_tokens_reach_smoke.json",
+                      ["trainer.total_steps=1000000000", "actors.num_envs=2", "trainer.buffer_size=4",
+                       "algorithm.cfg.batch_size=8", "algorithm.cfg.n_epochs=1", "trainer.rollouts_per_update=1"])
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    assert learner.intake.obs_bounds == {"instruction": (0, 512)}          # the tiny PaliGemma's vocabulary
+    for key in ("observation", "bootstrap_observation"):
+        td = valid_rollout(learner.template, learner.spec, 0)
+        if key not in td.keys():
+            continue
+        td[key, "instruction"][0, 1, 0] = 512
+        frames = [bytes(f) for f in wire.encode(td, **rollout_meta(0, 1, 0))]
+        assert not learner.intake.handle(frames, "test"), key
+    assert learner.counts["rejected"] >= 1
+    assert learner.intake.handle([bytes(f) for f in wire.encode(
+        valid_rollout(learner.template, learner.spec, 0), **rollout_meta(0, 2, 0))], "test")
+    learner.update_once(*learner.take_batch(timeout_s=0))
+    assert learner.version == 1
 
 
 def test_a_minibatch_with_a_non_finite_gradient_takes_no_step():

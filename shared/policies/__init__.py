@@ -66,6 +66,31 @@ def has_critic(policy: nn.Module) -> bool:
     return getattr(policy, "critic", None) is not None
 
 
+def observation_bounds(policy) -> dict[str, tuple[int, int]]:
+    """The integer observation leaves the policy looks up (token ids), ``{name: (low, high)}`` with
+    valid ids in ``[low, high)``; empty for a policy with none. An id outside reaches an embedding
+    lookup, which on CUDA is a device-side assert that leaves the device unusable: the learner's
+    intake and the inference server check these on the CPU, as messages arrive. The policy says it
+    with an ``observation_bounds()`` method of its own or of its ``model`` (a VLA's adapter)."""
+    for owner in (policy, getattr(policy, "model", None)):
+        fn = getattr(owner, "observation_bounds", None)
+        if callable(fn):
+            return dict(fn())
+    return {}
+
+
+def ids_out_of_bounds(obs, bounds: dict[str, tuple[int, int]]) -> str | None:
+    """What in `obs` (a TensorDict of observation leaves, on the CPU) lies outside `bounds`, or None."""
+    for name, (low, high) in bounds.items():
+        ids = obs.get(name, None) if hasattr(obs, "get") else None
+        if ids is None or not ids.numel() or ids.dtype.is_floating_point:
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < low or hi >= high:
+            return f"{name!r} holds ids from {lo} to {hi}, outside [{low}, {high}) (the policy's vocabulary)"
+    return None
+
+
 def published_state(policy: nn.Module) -> dict[str, torch.Tensor]:
     """What a weights message carries: every parameter that trains (``requires_grad``), each tensor
     once (a module registered under two names, such as a VLA whose value head is the model itself,

@@ -568,6 +568,10 @@ class ActionTokenPolicy(nn.Module):
         self._keep(obs, h[:, -1])
         return AutoregressiveActionTokenDistribution(self, prompt, cache, self._bin_logp(h[:, -1:]))
 
+    def observation_bounds(self) -> dict[str, tuple[int, int]]:
+        """Instruction ids index the model's embedding (``shared.policies.observation_bounds``)."""
+        return {"instruction": (0, self.model.get_input_embeddings().weight.shape[0])}
+
     def _keep(self, obs: TensorDictBase, h_sep: torch.Tensor) -> None:
         self._stash = (obs, h_sep) if self.value_head is not None else None
 
