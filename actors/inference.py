@@ -223,10 +223,13 @@ class InferenceServer:
         sock: a bound ROUTER socket.
         spec: the env's spec (the request schema).
         stop: set to end :meth:`run`.
+        writer: a TensorBoard SummaryWriter, or None.
+        expire_s: a request not served after this long is dropped (``expired``): its actor has stopped
+            waiting for the reply (the actors' learner timeout).
     """
 
     def __init__(self, cfg: Config, server_id: int, policy, loader, weights, sock: zmq.Socket, spec: EnvSpec,
-                 stop, writer=None):
+                 stop, writer=None, expire_s: float = 120.0):
         a = cfg.actors
         self.cfg, self.server_id, self.policy, self.loader = cfg, server_id, policy, loader
         self.weights, self.sock, self.stop, self.writer = weights, sock, stop, writer
@@ -239,7 +242,12 @@ class InferenceServer:
         self.max_queue = a.server_queue
         self.checker = RequestChecker(spec, a.num_envs, self.actors, observation_bounds(policy))
         self.waiting: list[Request] = []        # checked, not served yet (bounded by max_queue)
-        self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0, "failed": 0}
+        # dropped: malformed, busy (the queue was full), undeliverable (the reply could not be sent),
+        # failed (the policy raised on it), expired (waited longer than its actor waits for a reply)
+        self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0,
+                       "undeliverable": 0, "failed": 0, "expired": 0}
+        self.expire_s = expire_s
+        self._next_expiry = time.monotonic() + 1.0
         self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
         self._last_log = time.monotonic()
         self.stopped_by_learner = False
@@ -344,8 +352,22 @@ class InferenceServer:
             log.warning("inference server %d: dropped %s request #%d from %s: %s", self.server_id, what, n,
                         route.hex()[:16], why[:300])
 
+    def _expire(self) -> None:
+        """Drop the requests that waited longer than their actors wait for a reply (a version that never
+        comes); looked at once a second."""
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + 1.0
+        oldest = time.perf_counter() - self.expire_s
+        for r in [r for r in self.waiting if r.arrived < oldest]:
+            self._refuse("expired", r.route, f"actor {r.actor}'s request {r.rid} waited {self.expire_s:.0f} s "
+                         f"(min_version {r.min_version}, the server has v{self.loader.version})")
+        self.waiting = [r for r in self.waiting if r.arrived >= oldest]
+
     def _batch(self) -> list[Request]:
         """The requests to serve now, oldest first, at most `max_batch` envs (one request at least)."""
+        self._expire()
         out, envs = [], 0
         for r in self.waiting:
             if self._servable(r) and (not out or envs + r.n <= self.max_batch):
@@ -406,7 +428,7 @@ class InferenceServer:
             self.sock.send_multipart([r.route, *frames], flags=zmq.NOBLOCK)
             self.counts["replies"] += 1
         except zmq.ZMQError as e:   # its queue is full or it is gone: never block the others
-            self._refuse("busy", r.route, f"its reply could not be sent ({e})")
+            self._refuse("undeliverable", r.route, f"its reply could not be sent ({e})")
 
     def _isolate(self, kind: str, reqs: list[Request], error: Exception, meta: dict) -> None:
         """The policy raised on a batch (observations it cannot act on: out of its vocabulary, huge
@@ -456,14 +478,16 @@ class InferenceServer:
         line = {"batches": w["batches"], "batch_envs_mean": w["envs"] / b, "batch_envs_max": w["max_envs"],
                 "batch_requests_mean": w["requests"] / b, "forward_ms_mean": 1000 * w["forward_s"] / b,
                 "busy_frac": w["forward_s"] / max(1e-9, now - self._last_log), "version": self.loader.version,
-                "malformed": c["malformed"], "busy": c["busy"], "failed": c["failed"],
+                "malformed": c["malformed"], "busy": c["busy"], "undeliverable": c["undeliverable"],
+                "failed": c["failed"], "expired": c["expired"],
                 # the wait in force: server_max_wait_ms, or half the recent time per batch if less
                 "wait_ms": 1000 * min(self.max_wait_s, 0.5 * self.forward_ema_s)}
         log.info("inference server %d: v%d | %d batches, %.1f envs (max %d of %d) from %.1f requests each, "
-                 "%.1f ms per batch, busy %.0f%%, waits up to %.1f ms | dropped %d malformed, %d busy, %d failed",
-                 self.server_id, line["version"], line["batches"], line["batch_envs_mean"], line["batch_envs_max"],
-                 self.max_batch, line["batch_requests_mean"], line["forward_ms_mean"], 100 * line["busy_frac"],
-                 line["wait_ms"], line["malformed"], line["busy"], line["failed"])
+                 "%.1f ms per batch, busy %.0f%%, waits up to %.1f ms | dropped %d malformed, %d busy, "
+                 "%d undeliverable, %d failed, %d expired", self.server_id, line["version"], line["batches"],
+                 line["batch_envs_mean"], line["batch_envs_max"], self.max_batch, line["batch_requests_mean"],
+                 line["forward_ms_mean"], 100 * line["busy_frac"], line["wait_ms"], line["malformed"], line["busy"],
+                 line["undeliverable"], line["failed"], line["expired"])
         if self.writer is not None:
             step = c["batches"]
             for k, v in line.items():
@@ -750,7 +774,7 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     except Exception as e:   # TensorBoard is optional for the server: its progress lines still say it all
         log.warning("inference server %d: no TensorBoard events (%s)", server_id, e)
     incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest)
-    server = InferenceServer(cfg, server_id, acting, loader, sub, sock, spec, stop, writer)
+    server = InferenceServer(cfg, server_id, acting, loader, sub, sock, spec, stop, writer, expire_s=learner_timeout_s)
     log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
              "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
              1000 * server.max_wait_s)
@@ -758,10 +782,11 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         return server.run()
     finally:
         b = max(1, server.counts["batches"])
-        log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each), %d malformed "
-                 "and %d busy requests dropped, %d failed", server_id, server.counts["batches"], server.counts["envs"] / b,
-                 server.counts["replies"] / b, server.counts["malformed"], server.counts["busy"],
-                 server.counts["failed"])
+        c = server.counts
+        log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each); requests "
+                 "dropped: %d malformed, %d busy, %d undeliverable, %d failed, %d expired", server_id, c["batches"],
+                 c["envs"] / b, c["replies"] / b, c["malformed"], c["busy"], c["undeliverable"], c["failed"],
+                 c["expired"])
         if device.type == "cuda":   # where the server's device memory goes: the caching allocator's peaks
             log.info("inference server %d: peak device memory %.0f MiB allocated, %.0f MiB reserved", server_id,
                      torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20)

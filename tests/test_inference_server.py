@@ -330,12 +330,12 @@ def test_a_silent_or_dead_actor_does_not_stall_the_others(tmp_path):
             alive(_obs(4, 2 + i))
         assert time.monotonic() - t0 < 5.0
         deadline = time.monotonic() + 5.0              # the server counts a reply once it went out
-        while s.server.counts["replies"] + s.server.counts["busy"] < 12 and time.monotonic() < deadline:
+        while s.server.counts["replies"] + s.server.counts["undeliverable"] < 12 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert s.server.counts["replies"] >= 11, s.server.counts
         # the dead actor's request was served: its reply went out before the socket closed, or was
-        # refused (busy); either way it cost actor 1 nothing
-        assert s.server.counts["replies"] + s.server.counts["busy"] == 12, s.server.counts
+        # refused (undeliverable); either way it cost actor 1 nothing
+        assert s.server.counts["replies"] + s.server.counts["undeliverable"] == 12, s.server.counts
         assert s.server.counts["requests"] == 12 and not s.server.waiting
     finally:
         s.close()
@@ -488,8 +488,8 @@ def test_fuzzed_requests_never_stop_the_server(tmp_path, seed):
         kept = s.server._batch()
         if kept:
             s.server._serve(kept)                                 # acting on it never raises either
-        # one reply (or error reply) for each request kept, each refused here: "fuzz" is no peer (busy)
-        assert c["busy"] == len(kept) and c["replies"] == 0 and c["batches"] == (1 if kept else 0), c
+        # one reply (or error reply) for each request kept, each refused here: "fuzz" is no peer
+        assert c["undeliverable"] == len(kept) and c["replies"] == 0 and c["batches"] == (1 if kept else 0), c
     finally:
         s.close()
 
@@ -552,6 +552,22 @@ def test_a_flood_of_bad_requests_does_not_keep_batches_from_going_out(tmp_path):
         assert not t.is_alive(), "the receive loop went on taking the flood"
         assert time.monotonic() - t0 < 1.0 and s.server.counts["malformed"] == s.server.sock.taken > 0
         s.server.sock = real
+    finally:
+        s.close()
+
+
+def test_a_request_never_served_expires_when_its_actor_stopped_waiting(tmp_path):
+    s = Served(tmp_path)
+    try:
+        s.server.expire_s = 0.2
+        s.weights.publish(s.learner, 0)
+        assert s.server._take_weights()
+        td, meta = _valid_frames()
+        s.server._take([zmq.Frame(b"a"), *wire.encode(td, **{**meta, "min_version": 9})])   # v9 never comes
+        assert s.server._batch() == [] and len(s.server.waiting) == 1
+        time.sleep(0.3)
+        s.server._next_expiry = 0.0
+        assert s.server._batch() == [] and not s.server.waiting and s.server.counts["expired"] == 1
     finally:
         s.close()
 
