@@ -80,9 +80,10 @@ def observation_bounds(policy) -> dict[str, tuple[int, int]]:
 
 
 def ids_out_of_bounds(obs, bounds: dict[str, tuple[int, int]]) -> str | None:
-    """What in `obs` (a TensorDict of observation leaves, on the CPU) lies outside `bounds`, or None."""
+    """What in `obs` (observation leaves by name: a TensorDict or a dict, on the CPU) lies outside
+    `bounds`, or None."""
     for name, (low, high) in bounds.items():
-        ids = obs.get(name, None) if hasattr(obs, "get") else None
+        ids = obs.get(name, None)
         if ids is None or not ids.numel() or ids.dtype.is_floating_point:
             continue
         lo, hi = int(ids.min()), int(ids.max())

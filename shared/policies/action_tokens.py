@@ -52,6 +52,8 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.distributions import Distribution
 
+from shared.policies import ids_out_of_bounds
+
 DECODING_MODES = ("parallel", "autoregressive")
 BINNINGS = ("centres", "openvla")   # ActionBins conventions
 GEMMA_NEWLINE_ID = 108   # "\n" in the Gemma tokenizer: PaliGemma's prefix terminator
@@ -440,13 +442,14 @@ class ActionTokenPolicy(nn.Module):
         batch = instr.shape[:-1]
         dev = self._device()
         instr = instr.reshape(-1, instr.shape[-1])
-        if instr.device.type == "cpu" and instr.numel():
+        if instr.device.type == "cpu":
             # out of range, a lookup on CUDA is a device-side assert that leaves the device unusable: refuse
             # such ids here, where checking costs nothing (an inference server's requests, a CPU actor's envs)
-            lo, hi, vocab = int(instr.min()), int(instr.max()), self.model.get_input_embeddings().weight.shape[0]
-            if lo < 0 or hi >= vocab:
-                raise ValueError(f"ActionTokenPolicy: instruction ids must be in [0, {vocab}) (the model's "
-                                 f"vocabulary), got ids from {lo} to {hi}")
+            bounds = self.observation_bounds()
+            bad = ids_out_of_bounds({"instruction": instr}, bounds)
+            if bad:
+                vocab = bounds["instruction"][1]
+                raise ValueError(f"ActionTokenPolicy: instruction ids must be in [0, {vocab}): {bad}")
         instr = instr.to(dev, torch.int64)                                          # [N, L]
         n = instr.shape[0]
         parts = []
