@@ -318,11 +318,16 @@ class Actor:
 
     def _step_served(self) -> bool:
         """:meth:`step_once` with an inference server acting: the versions come with its replies
-        (standard mode asks it for one newer than our last rollout's)."""
+        (standard mode asks it for one newer than our last rollout's; lag_policy pace for the newest
+        the learner announced, which the credit allowing this rollout names)."""
         if not self._poll(0) or (self.pace and not self._wait_for_credit()):
             return False
         if self.cfg.trainer.buffer_type == "standard":
             self.remote.min_version = self._last_acted + 1
+        elif self.pace:   # act with the newest version announced, as a local actor loads it before a rollout
+            announced = getattr(self.weights, "announced", None)
+            if announced is not None:
+                self.remote.min_version, self.remote.min_incarnation = announced
         self._wait_storage_free(self.collector.next_index)
         seeds = group_seeds(self.cfg, self.actor_id, self.seq)
         try:

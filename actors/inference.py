@@ -16,9 +16,12 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   :class:`~actors.weights_loader.WeightsLoader` an actor uses (whole versions only, a restarted
   learner's versions, the frozen base checked); every reply carries the version that acted, which
   the collector stamps on that step, so per-sample versions, lag accounting, corrections and the
-  staleness report see exactly what acted. An actor in standard mode asks for a minimum version at
-  the start of a rollout (``min_version``, with the learner life it counts in), and the server
-  holds that request until it has one, or any version of another life (a resumed learner's);
+  staleness report see exactly what acted. An actor asks for a minimum version at the start of a
+  rollout (``min_version``, with the learner life it counts in): in standard mode one newer than
+  its last rollout's, under ``lag_policy: pace`` the newest the learner has announced, as a local
+  actor loads it before a rollout (without it the server's load delay added a version of lag and
+  pace's bound did not hold); the server holds that request until it has one, or any version of
+  another life (a resumed learner's);
 - requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
   and counted with its sender in the log, and the queue of requests waiting for a batch is bounded
   (``actors.server_queue``); CURVE applies to its socket where the run uses it;
@@ -541,7 +544,8 @@ class RemotePolicy:
         self.should_stop, self.timeout_s, self.curve = should_stop, timeout_s, curve
         self.sock: zmq.Socket | None = None
         self.server: dict | None = None         # the endpoint file we are connected by
-        self.min_version = -1                    # asked of the next act request only (standard mode)
+        self.min_version = -1                    # asked of the next act request only
+        self.min_incarnation: str | None = None  # the learner life of min_version (None: our last reply's)
         self.version, self.incarnation, self.received_at = -1, None, 0.0
         self._rid = 0
         self._pending: dict[int, _Pending] = {}  # requests sent (or to send), not answered yet
@@ -589,8 +593,9 @@ class RemotePolicy:
         meta = {"kind": kind, "actor": self.actor_id, "id": rid}
         if kind == "act" and self.min_version >= 0:
             meta["min_version"] = self.min_version
-            if self.incarnation is not None:   # the learner life our last version came from
-                meta["incarnation"] = self.incarnation
+            incarnation = self.min_incarnation or self.incarnation   # the life min_version counts in
+            if incarnation is not None:
+                meta["incarnation"] = incarnation
         frames = wire.encode_leaves([td.batch_size[0]], leaves, **meta)   # the codec copies device tensors to the CPU
         self._pending[rid] = _Pending(kind, td.batch_size[0], frames, time.monotonic() + self.timeout_s)
         self._send_pending()
@@ -617,7 +622,7 @@ class RemotePolicy:
         if kind == "error":
             raise InferenceRefused(f"the inference server ({self.path}) could not act on request {rid}: {out}")
         if kind == "act":
-            self.min_version = -1      # asked of a rollout's first requests only
+            self.min_version, self.min_incarnation = -1, None   # asked of a rollout's first requests only
         return out
 
     def cancel(self) -> None:

@@ -67,6 +67,7 @@ class WeightsOut:
         self.publish_times: dict[int, float] = {}   # version -> wall time it was published (recent ones)
         self._credit_sent: list[int] = []
         self._credit_time = 0.0
+        self.version = -1   # the last version published: credits name it (where a paced rollout starts)
         self.shm_writer = None
         if shm_slots is not None:
             tag = hashlib.sha1(str(run_dir or id(self)).encode()).hexdigest()[:12]
@@ -84,6 +85,7 @@ class WeightsOut:
         else:
             weights = weights_td(self.policy)
             weights, extra = (weights.clone() if self.device.type == "cpu" else weights.cpu()), {}
+        self.version = version
         if not final:
             self.publish_times[version] = now
             for old in [v for v in self.publish_times if v < version - KEEP_PUBLISH_TIMES]:
@@ -101,5 +103,8 @@ class WeightsOut:
         none waits for a credit only the next update would bring; at most every `min_interval_s`."""
         now = time.time()
         if finished != self._credit_sent and now - self._credit_time >= min_interval_s:
-            self.publisher.send_control(kind="credit", consumed=finished, time=now, incarnation=self.incarnation)
+            # `version`: the newest the learner has published. An actor whose credit this is acts its
+            # next rollout with it at least (actors.inference "server" asks the server for it).
+            self.publisher.send_control(kind="credit", consumed=finished, time=now, incarnation=self.incarnation,
+                                        version=self.version)
             self._credit_sent, self._credit_time = finished, now

@@ -100,7 +100,7 @@ class WeightsPublisher:
         self._last = [WEIGHTS_TOPIC, *wire.encode(td, **meta)]
         self.sock.send_multipart(self._last, copy=False)
         if "consumed" in meta:   # kept for control-only subscribers who join later, sent to those already here
-            self._last_credit = self._control(kind="credit", consumed=meta["consumed"],
+            self._last_credit = self._control(kind="credit", consumed=meta["consumed"], version=meta.get("version"),
                                               incarnation=meta.get("incarnation"), time=meta.get("time"))
             if self.control_only_seen:
                 self.sock.send_multipart(self._last_credit)
@@ -151,12 +151,15 @@ class WeightsSubscriber:
         self.sock.connect(endpoint)
         self.consumed: list | None = None
         self.consumed_from: str | None = None   # the learner incarnation that counted `consumed`
+        # (version, incarnation): the newest version the learner has announced, by weights or credit
+        self.announced: tuple[int, str | None] | None = None
 
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
         """The newest weights (or stop) message that arrived (waiting up to `timeout_ms` for the
         first), decoded; or None. Malformed messages are skipped (the learner is trusted, but a bug
         must not kill actors). The learner's per-actor ``consumed`` counts, carried by weights and
-        ``credit`` messages, are kept in :attr:`consumed` (for ``lag_policy: "pace"``)."""
+        ``credit`` messages, are kept in :attr:`consumed` (for ``lag_policy: "pace"``), and the newest
+        version either names in :attr:`announced` (what a paced actor asks its inference server for)."""
         latest = None
         if not self.sock.poll(timeout_ms):
             return None
@@ -168,10 +171,13 @@ class WeightsSubscriber:
                 td, meta = wire.decode(frames[1:])
             except wire.WireError:
                 continue
+            inc = meta.get("incarnation")
+            inc = inc if isinstance(inc, str) else None
             if isinstance(meta.get("consumed"), list):
-                self.consumed = meta["consumed"]
-                inc = meta.get("incarnation")
-                self.consumed_from = inc if isinstance(inc, str) else None
+                self.consumed, self.consumed_from = meta["consumed"], inc
+            version = meta.get("version")
+            if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+                self.announced = (version, inc)
             if meta.get("kind") == "stop":
                 return td, meta  # a stop request wins over any weights queued before it
             if meta.get("kind") == "credit":

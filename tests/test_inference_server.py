@@ -410,6 +410,44 @@ def test_a_request_waits_for_the_version_it_asks_for(served):
     assert got["out"][keys.POLICY_VERSION].eq(1).all() and waiting.min_version == -1
 
 
+def test_a_paced_actor_acts_its_rollout_with_the_newest_version_the_learner_announced(served, tmp_path):
+    """lag_policy pace bounds staleness by starting each rollout with the newest version, as a
+    local actor loads it first. Through a server, the credit that lets a rollout start names that
+    version, and the actor asks the server for it: a server that has not loaded it yet holds the
+    request instead of acting with the older one (on an H100 that added a version of lag, and
+    rollouts beyond max_policy_lag were dropped under pace)."""
+    from actors.actor import Actor
+    from tests.test_learner_component import CaptureSink
+    cfg = config_from_dict({"env": {"id": ENV},
+                            "trainer": {"buffer_type": "vla", "buffer_size": 8, "lag_policy": "pace"},
+                            "algorithm": {"name": "ppo", "cfg": {"batch_size": 32}},
+                            "actors": {"num_actors": 2, "num_envs": 4, "inference": "server"}}, source="test")
+    served.weights.publish(served.learner, 0)
+    served.start()
+    announcer = Weights()
+    announcer.consumed, announcer.consumed_from = [0, 0], "L1"
+    announcer.announced = (1, "L1")                   # a credit naming v1: the server still has v0
+    sink = CaptureSink()
+    actor = Actor(cfg, 0, announcer, sink, remote=served.remote(0), lock_dir=tmp_path)
+    try:
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("ok", actor.step_once()))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not served.server.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                                   # a few passes of the server's loop
+        assert t.is_alive() and not sink.messages         # held for v1
+        served.weights.publish(served.learner, 1)
+        t.join(timeout=10)
+        assert done.get("ok")
+        td, _ = sink.messages[-1]
+        assert td[keys.POLICY_VERSION].eq(1).all(), td[keys.POLICY_VERSION]
+        assert actor.remote.min_version == -1 and actor.remote.min_incarnation is None
+    finally:
+        actor.close()
+
+
 def test_a_version_asked_of_one_learner_life_is_met_by_any_version_of_the_next(served):
     """A restarted learner resumes at its checkpoint's version, lower than what the actors acted
     with: a standard-mode request for the next version of the old life is served by the new life's
@@ -711,6 +749,7 @@ def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights(
         while subs["ctrl"].consumed is None and time.monotonic() < deadline:
             assert subs["ctrl"].newest(100) is None          # a credit is kept, not returned
         assert subs["ctrl"].consumed == [2, 5] and subs["ctrl"].consumed_from == "L1"
+        assert subs["ctrl"].announced == (3, "L1") == subs["full"].announced   # what a paced actor asks for
         assert subs["full"].newest(300) is None              # no weights re-sent for a control-only join
         assert subs["full"].consumed == [2, 5]               # and the re-sent credit is the newest
         subs["raw"] = WeightsSubscriber(ctx, pub.endpoint, weights=False)
@@ -720,7 +759,7 @@ def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights(
         deadline = time.monotonic() + 5
         while subs["ctrl"].consumed != [3, 6] and time.monotonic() < deadline:
             assert subs["ctrl"].newest(100) is None
-        assert subs["ctrl"].consumed == [3, 6]
+        assert subs["ctrl"].consumed == [3, 6] and subs["ctrl"].announced == (4, "L1")
         pub.send_control(kind="stop", who="actors", incarnation="L1")
         assert next_weights(subs["ctrl"])[1]["kind"] == "stop"
         topics, deadline = [], time.monotonic() + 1.0

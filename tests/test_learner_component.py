@@ -430,6 +430,7 @@ def test_pace_tells_actors_their_rollouts_are_taken_before_the_update_runs():
     kinds = [k for k, _ in order]
     assert kinds == ["control", "weights"]
     assert order[0][1]["kind"] == "credit" and order[0][1]["consumed"] == [1]
+    assert order[0][1]["version"] == 0 and order[1][1]["version"] == 1   # where the next rollout starts
 
 
 def test_the_learner_trains_every_full_batch_received_before_it_stops():
