@@ -56,6 +56,7 @@ from tensordict import TensorDict, TensorDictBase
 from shared import keys, wire
 from shared.config import Config
 from shared.envs.base import EnvSpec
+from shared.files import write_json_atomic
 from shared.policies import ids_out_of_bounds, observation_bounds
 from shared.rollout import MAX_ABS_VALUE, rollout_template
 
@@ -227,12 +228,15 @@ class InferenceServer:
         spec: the env's spec (the request schema).
         stop: set to end :meth:`run`.
         writer: a TensorBoard SummaryWriter, or None.
+        progress: where the server keeps its TensorBoard step (batches served by every incarnation
+            of this server in the run, :func:`read_progress`), so a restarted server's curves go on
+            from where the last one logged instead of starting again at 0; or None.
         expire_s: a request not served after this long is dropped (``expired``): its actor has stopped
             waiting for the reply (the actors' learner timeout).
     """
 
     def __init__(self, cfg: Config, server_id: int, policy, loader, weights, sock: zmq.Socket, spec: EnvSpec,
-                 stop, writer=None, expire_s: float = 120.0):
+                 stop, writer=None, expire_s: float = 120.0, progress: Path | None = None):
         a = cfg.actors
         self.cfg, self.server_id, self.policy, self.loader = cfg, server_id, policy, loader
         self.weights, self.sock, self.stop, self.writer = weights, sock, stop, writer
@@ -254,6 +258,8 @@ class InferenceServer:
         self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
         self._last_log = time.monotonic()
         self.stopped_by_learner = False
+        self.progress = progress
+        self.step_base = read_progress(progress) if progress is not None else 0
         self.failed = False
 
     # -------------------------------------------------------------- the loop
@@ -492,7 +498,9 @@ class InferenceServer:
                  line["forward_ms_mean"], 100 * line["busy_frac"], line["wait_ms"], line["malformed"], line["busy"],
                  line["undeliverable"], line["failed"], line["expired"])
         if self.writer is not None:
-            step = c["batches"]
+            step = self.step_base + c["batches"]
+            if self.progress is not None:
+                write_json_atomic(self.progress, {"batches": step})
             for k, v in line.items():
                 self.writer.add_scalar(f"inference{self.server_id}/{k}", v, step)
             self.writer.add_scalar(f"inference{self.server_id}/max_batch", self.max_batch, step)
@@ -726,12 +734,23 @@ def bind_router(ctx: zmq.Context, host: str, path: Path, curve=None) -> tuple[zm
 def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str) -> str:
     """Announce a server to its actors (atomically); returns its new incarnation."""
     incarnation = uuid.uuid4().hex[:12]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"endpoint": endpoint, "incarnation": incarnation, "pid": os.getpid(),
-                               "critic": critic, "base_digest": base_digest}) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, {"endpoint": endpoint, "incarnation": incarnation, "pid": os.getpid(),
+                             "critic": critic, "base_digest": base_digest})
     return incarnation
+
+
+def progress_path(run_dir: str | Path, server_id: int) -> Path:
+    """Server `server_id`'s TensorBoard step across its incarnations (:class:`InferenceServer` ``progress``)."""
+    return Path(run_dir) / "inference" / f"server_{server_id}.progress.json"
+
+
+def read_progress(path: Path) -> int:
+    """The batches an earlier incarnation logged (0 when there is none, or the file is not what we write)."""
+    try:
+        batches = json.loads(path.read_text()).get("batches")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return batches if isinstance(batches, int) and not isinstance(batches, bool) and batches >= 0 else 0
 
 
 def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeout_s: float = 120.0,
@@ -779,7 +798,8 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     except Exception as e:   # TensorBoard is optional for the server: its progress lines still say it all
         log.warning("inference server %d: no TensorBoard events (%s)", server_id, e)
     incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest)
-    server = InferenceServer(cfg, server_id, acting, loader, sub, sock, spec, stop, writer, expire_s=learner_timeout_s)
+    server = InferenceServer(cfg, server_id, acting, loader, sub, sock, spec, stop, writer, expire_s=learner_timeout_s,
+                             progress=progress_path(run_dir, server_id))
     log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
              "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
              1000 * server.max_wait_s)

@@ -11,7 +11,6 @@ main loop notices within one turn and the process exits non-zero with the reason
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import secrets
@@ -31,6 +30,7 @@ from learner.learner import Learner, learner_threads
 from learner.logs import RunLogger
 from shared.config import Config, save_config
 from shared.console import say
+from shared.files import write_json_atomic
 from shared.security import server_from_config
 from shared.transport import WeightsPublisher, bind, write_endpoints
 
@@ -349,9 +349,7 @@ class LearnerRun:
         summary = run_summary(self.learner, self.threads, exit_code, self.reason[0] if self.reason else None,
                               self.ranks)
         name = "summary.json" if self.main else f"summary.rank{self.ranks.rank}.json"
-        tmp = self.run_dir / (name + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / name)
+        write_json_atomic(self.run_dir / name, summary, indent=2)
         return exit_code
 
     def _close(self) -> None:

@@ -20,6 +20,7 @@ import zmq
 from tensordict import TensorDictBase
 
 from shared import wire
+from shared.files import write_json_atomic
 
 LINGER_MS = 1000
 
@@ -44,11 +45,8 @@ def bind(sock: zmq.Socket, host: str, port: int, advertise: str = "") -> str:
 
 
 def write_endpoints(run_dir: Path, rollouts: str, weights: str, **extra: Any) -> Path:
-    path = Path(run_dir) / "endpoints.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"rollouts": rollouts, "weights": weights, "pid": os.getpid(), **extra}) + "\n")
-    os.replace(tmp, path)  # readers never see a half-written file
-    return path
+    return write_json_atomic(Path(run_dir) / "endpoints.json",
+                             {"rollouts": rollouts, "weights": weights, "pid": os.getpid(), **extra})
 
 
 def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:

@@ -471,6 +471,47 @@ def test_a_version_asked_of_one_learner_life_is_met_by_any_version_of_the_next(s
     assert not t.is_alive() and got["out"][keys.POLICY_VERSION].eq(2).all() and actor.incarnation == "L2"
 
 
+class _Scalars:
+    """A stand-in for the TensorBoard writer: the (tag, step) of every scalar."""
+
+    def __init__(self):
+        self.steps: dict[str, list[int]] = {}
+
+    def add_scalar(self, tag, value, step):
+        self.steps.setdefault(tag, []).append(step)
+
+
+def test_a_restarted_servers_tensorboard_steps_go_on_from_the_last_incarnations(tmp_path):
+    """The server's TensorBoard step is the batches served in the run: a restarted server reads what
+    the last incarnation logged and goes on from there, so its curves do not start again at 0 over
+    the old ones. A progress file that is not ours counts as none."""
+    from actors.inference import progress_path, read_progress
+    path = progress_path(tmp_path, 0)
+    steps = []
+    for life in range(2):
+        s = Served(tmp_path / f"life{life}")
+        s.server.writer, s.server.progress = _Scalars(), path
+        s.server.step_base = read_progress(path)
+        s.weights.publish(s.learner, 0)
+        s.start()
+        try:
+            actor = s.remote(0)
+            for i in range(3):
+                actor(_obs(4, i))
+            s.server._last_log = -1e9          # log now (the thread logs on its own clock otherwise)
+            deadline = time.monotonic() + 10
+            while not s.server.writer.steps and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            s.close()
+        steps += s.server.writer.steps["inference0/batches"]
+    assert len(steps) >= 2 and steps[0] >= 3 and all(b > a for a, b in zip(steps, steps[1:])), steps
+    assert read_progress(path) == steps[-1]
+    for junk in ("", "[]", '{"batches": -1}', '{"batches": true}', '{"batches": 1.5}', "{"):
+        path.write_text(junk)
+        assert read_progress(path) == 0
+
+
 def test_a_remote_call_ends_on_stop_while_no_server_answers(tmp_path):
     s = Served(tmp_path)         # never started: nobody answers
     try:
