@@ -118,6 +118,10 @@ class Actor:
         self._seq_base = 0                           # our seq when that count was taken
         self.max_inflight = max_inflight(cfg)
         self.pace = cfg.trainer.buffer_type == "vla" and cfg.trainer.lag_policy == "pace"
+        # no study knob holds weights back: the server loads an announced version as soon as it has it
+        # (with weights_lag_versions or weights_delay_s it loads it late on purpose, and a paced actor
+        # asking for it would wait for what the learner cannot publish without its rollouts)
+        self._plain_gate = not cfg.actors.weights_lag_versions and not cfg.actors.weights_delay_s
         # in-flight weight updates: vla mode only (standard mode trains each version on its own data)
         self.in_flight = weights_at(cfg) == "step"
 
@@ -324,7 +328,7 @@ class Actor:
             return False
         if self.cfg.trainer.buffer_type == "standard":
             self.remote.min_version = self._last_acted + 1
-        elif self.pace:   # act with the newest version announced, as a local actor loads it before a rollout
+        elif self.pace and self._plain_gate:   # the newest version announced, as a local actor loads it first
             announced = getattr(self.weights, "announced", None)
             if announced is not None:
                 self.remote.min_version, self.remote.min_incarnation = announced

@@ -19,7 +19,7 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   staleness report see exactly what acted. An actor asks for a minimum version at the start of a
   rollout (``min_version``, with the learner life it counts in): in standard mode one newer than
   its last rollout's, under ``lag_policy: pace`` the newest the learner has announced, as a local
-  actor loads it before a rollout (without it the server's load delay added a version of lag and
+  actor loads it before a rollout (unless a study knob holds weights back) (without it the server's load delay added a version of lag and
   pace's bound did not hold); the server holds that request until it has one, or any version of
   another life (a resumed learner's);
 - requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
@@ -500,7 +500,12 @@ class InferenceServer:
         if self.writer is not None:
             step = self.step_base + c["batches"]
             if self.progress is not None:
-                write_json_atomic(self.progress, {"batches": step})
+                try:
+                    write_json_atomic(self.progress, {"batches": step})
+                except OSError as e:   # only the next incarnation's TensorBoard step depends on it
+                    log.warning("inference server %d: cannot write %s (%s); a restart's TensorBoard steps "
+                                "will start again at 0", self.server_id, self.progress, e)
+                    self.progress = None
             for k, v in line.items():
                 self.writer.add_scalar(f"inference{self.server_id}/{k}", v, step)
             self.writer.add_scalar(f"inference{self.server_id}/max_batch", self.max_batch, step)
@@ -767,7 +772,7 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     from shared.instructions import instruction_tokenizer  # noqa: F401  (the VLA envs' import order)
     from shared.policies import frozen_digest, has_critic, make_policy
     from shared.security import client_from_config, server_from_config
-    from shared.transport import WeightsSubscriber, read_endpoints
+    from shared.transport import DrainingSubscriber, WeightsSubscriber, read_endpoints
 
     torch.set_num_threads(cfg.actors.torch_threads)
     if cfg.actors.nice:   # an acting process like the actors it serves: the learner's update goes first
@@ -798,7 +803,8 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     except Exception as e:   # TensorBoard is optional for the server: its progress lines still say it all
         log.warning("inference server %d: no TensorBoard events (%s)", server_id, e)
     incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest)
-    server = InferenceServer(cfg, server_id, acting, loader, sub, sock, spec, stop, writer, expire_s=learner_timeout_s,
+    weights = DrainingSubscriber(sub)   # read while a forward pass runs: no weights message is dropped
+    server = InferenceServer(cfg, server_id, acting, loader, weights, sock, spec, stop, writer, expire_s=learner_timeout_s,
                              progress=progress_path(run_dir, server_id))
     log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
              "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
@@ -818,6 +824,7 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         if writer is not None:
             writer.close()
         loader.close()
+        weights.close()
         sub.close()
         sock.close(linger=0)
         if curve_server is not None:

@@ -187,6 +187,54 @@ class WeightsSubscriber:
         self.sock.close(linger=0)
 
 
+class DrainingSubscriber:
+    """A :class:`WeightsSubscriber` emptied by a thread of its own, for a holder that may not look at
+    it for seconds (an inference server in a long forward pass). ZeroMQ drops new messages once a
+    subscriber's queues are full, and the learner's credits alone can fill them in a few seconds: a
+    weights message dropped so is a version the holder never loads, and the actors that asked for
+    it (lag_policy pace, standard mode) would wait for it until their timeout. Here the socket is
+    read as messages come; :meth:`newest` hands over the newest weights message (a stop wins), as
+    :meth:`WeightsSubscriber.newest` does for what queued since the last call. The socket belongs to
+    the thread until :meth:`close`.
+
+    Decoding happens in the thread too (``wire.decode`` views the frames; nothing is loaded here).
+    """
+
+    def __init__(self, sub: WeightsSubscriber, poll_ms: int = 50):
+        import threading
+        self.sub, self.poll_ms = sub, poll_ms
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._msg: tuple[TensorDictBase, dict] | None = None
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights-drain", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            msg = self.sub.newest(self.poll_ms)
+            if msg is None:
+                continue
+            with self._ready:
+                if self._msg is None or self._msg[1].get("kind") != "stop":   # a stop is never replaced
+                    self._msg = msg
+                self._ready.notify_all()
+
+    def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
+        with self._ready:
+            if self._msg is None and timeout_ms > 0:
+                self._ready.wait(timeout_ms / 1000)
+            msg = self._msg
+            if msg is not None and msg[1].get("kind") != "stop":
+                self._msg = None
+            return msg
+
+    def close(self) -> None:
+        """Stop the thread (within one poll); the socket is then the caller's to close."""
+        self._closing.set()
+        self._thread.join(timeout=5)
+
+
 class RolloutPusher:
     """PUSH socket to the learner. Sends without copying and tracks when ZeroMQ is done with the
     memory, so the caller never overwrites a rollout that is still being sent."""

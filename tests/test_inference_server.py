@@ -60,7 +60,7 @@ def _cfg(**actors):
 class Served:
     """A server on a thread (real ROUTER socket), and RemotePolicies for its actors."""
 
-    def __init__(self, tmp_path, curve=None, **actors):
+    def __init__(self, tmp_path, curve=None, progress=None, **actors):
         self.cfg = cfg = _cfg(**actors)
         self.spec = env_spec(ENV)
         torch.manual_seed(0)
@@ -76,7 +76,8 @@ class Served:
         self.sock, endpoint = bind_router(self.ctx, "127.0.0.1", self.path, curve)
         write_endpoint(self.path, endpoint, True, self.loader.base_digest)
         self.stop = threading.Event()
-        self.server = InferenceServer(cfg, 0, self.policy, self.loader, self.weights, self.sock, self.spec, self.stop)
+        self.server = InferenceServer(cfg, 0, self.policy, self.loader, self.weights, self.sock, self.spec, self.stop,
+                                      progress=progress)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.remotes: list[RemotePolicy] = []
 
@@ -448,6 +449,33 @@ def test_a_paced_actor_acts_its_rollout_with_the_newest_version_the_learner_anno
         actor.close()
 
 
+def test_a_paced_actor_with_weights_held_back_on_purpose_acts_with_what_the_server_has(tmp_path):
+    """actors.weights_lag_versions K: the server loads a version only once K newer ones have come, on
+    purpose. A paced actor must not ask it for the version its credit names: the learner cannot
+    publish the newer ones without the actor's rollouts, and both would wait until the timeout."""
+    from actors.actor import Actor
+    from tests.test_learner_component import CaptureSink
+    served = Served(tmp_path, weights_lag_versions=1)
+    cfg = config_from_dict({"env": {"id": ENV},
+                            "trainer": {"buffer_type": "vla", "buffer_size": 8, "lag_policy": "pace"},
+                            "algorithm": {"name": "ppo", "cfg": {"batch_size": 32}},
+                            "actors": {"num_actors": 1, "num_envs": 4, "inference": "server",
+                                       "weights_lag_versions": 1}}, source="test")
+    served.weights.publish(served.learner, 0)
+    served.start()
+    served.weights.publish(served.learner, 1)         # held back by the server's gate until v2 comes
+    announcer = Weights()
+    announcer.consumed, announcer.consumed_from, announcer.announced = [0], "L1", (1, "L1")
+    actor = Actor(cfg, 0, announcer, CaptureSink(), remote=served.remote(0, timeout_s=5.0), lock_dir=tmp_path)
+    try:
+        assert actor.step_once()                       # served at once, not held until the timeout
+        td, _ = actor.sink.messages[-1]
+        assert td[keys.POLICY_VERSION].eq(0).all(), td[keys.POLICY_VERSION]
+    finally:
+        actor.close()
+        served.close()
+
+
 def test_a_version_asked_of_one_learner_life_is_met_by_any_version_of_the_next(served):
     """A restarted learner resumes at its checkpoint's version, lower than what the actors acted
     with: a standard-mode request for the next version of the old life is served by the new life's
@@ -489,9 +517,8 @@ def test_a_restarted_servers_tensorboard_steps_go_on_from_the_last_incarnations(
     path = progress_path(tmp_path, 0)
     steps = []
     for life in range(2):
-        s = Served(tmp_path / f"life{life}")
-        s.server.writer, s.server.progress = _Scalars(), path
-        s.server.step_base = read_progress(path)
+        s = Served(tmp_path / f"life{life}", progress=path)
+        s.server.writer = _Scalars()
         s.weights.publish(s.learner, 0)
         s.start()
         try:
@@ -744,6 +771,50 @@ def test_env_device_is_checked():
     with pytest.raises(ConfigError, match="env.device: unknown device 'gpu0'"):
         config_from_dict({"env": {"id": ENV, "device": "gpu0"}}, source="test")
     assert config_from_dict({"env": {"id": ENV, "device": "cuda:1"}}, source="test").env.device == "cuda:1"
+
+
+def test_a_server_busy_for_seconds_still_gets_the_newest_weights():
+    """An inference server in a long forward pass does not read its weights socket. Left to itself
+    the socket fills, and ZeroMQ drops the newer messages: the newest version, which paced actors ask
+    for, would never load. The server's subscription is drained by a thread of its own
+    (DrainingSubscriber), which hands over the newest one; a stop is kept until it is taken."""
+    from shared.transport import DrainingSubscriber, WeightsPublisher, WeightsSubscriber
+    ctx = zmq.Context()
+    pub = WeightsPublisher(ctx, "127.0.0.1")
+    plain, drained = WeightsSubscriber(ctx, pub.endpoint), WeightsSubscriber(ctx, pub.endpoint)
+    drain = DrainingSubscriber(drained)
+    try:
+        deadline = time.monotonic() + 10
+        while pub.subscribers_seen < 2:
+            assert time.monotonic() < deadline, "the subscribers never joined"
+            pub.serve_subscriptions()
+            time.sleep(0.01)
+        time.sleep(0.2)
+        last = 60
+        for v in range(1, last + 1):                    # nobody reads meanwhile, as in a long forward pass
+            pub.publish(TensorDict({"w": torch.full((1 << 18,), float(v))}, []), kind="weights", version=v,
+                        incarnation="L1", consumed=[v], time=float(v))
+            pub.send_control(kind="credit", consumed=[v], incarnation="L1", time=float(v))
+            time.sleep(0.02)                             # a learner's pace, faster than any real one
+        time.sleep(0.5)
+        got, deadline = None, time.monotonic() + 10
+        while (got is None or got[1]["version"] < last) and time.monotonic() < deadline:
+            got = drain.newest(100) or got
+        assert got is not None and got[1]["version"] == last and got[0]["w"][0].item() == last
+        seen = [m[1]["version"] for m in iter(lambda: plain.newest(200), None)]
+        assert seen and max(seen) < last                # what a socket read late gives: the newest was dropped
+        pub.send_control(kind="stop", who="actors", incarnation="L1")
+        pub.publish(TensorDict({"w": torch.zeros(4)}, []), kind="weights", version=last + 1, incarnation="L1")
+        deadline = time.monotonic() + 5
+        while drain.newest(100) is None or drain.newest(0)[1].get("kind") != "stop":
+            assert time.monotonic() < deadline, "the stop never came"
+        assert drain.newest(0)[1]["kind"] == "stop"      # kept: never replaced by later weights
+    finally:
+        drain.close()
+        plain.close()
+        drained.close()
+        pub.close()
+        ctx.term()
 
 
 def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights():
