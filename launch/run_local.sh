@@ -82,6 +82,10 @@ fi
 OUT="${OUT%/}"
 mkdir -p "$OUT/logs"
 rm -f "$OUT/endpoints.json"   # a stale file from a crashed run would point actors at nothing
+# The same for inference servers' endpoint files; their TensorBoard steps go on only across --resume.
+for f in "$OUT"/inference/server_*.json; do
+  [[ $RESUME -eq 1 && "$f" == *.progress.json ]] || rm -f "$f"
+done
 
 # ---------------------------------------------------------------- processes
 declare -A ACTOR_PID=() SERVER_PID=() RESTARTS=()   # RESTARTS by "actor I" / "inference server S"

@@ -631,6 +631,9 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     every request in flight to the new one, and the run ends normally. Every
     consumed rollout's steps were acted within the lag the run allows."""
     run_dir = tmp_path / "run"
+    stale = run_dir / "inference" / "server_0.progress.json"   # an earlier run's, in the same directory
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"batches": 1000000000}\n')
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
                  "--steps", "4096", "--set", "trainer.eval_freq=0", "--set", "actors.inference=server",
                  "--set", "actors.server_splits=2")
@@ -657,6 +660,8 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     events = read_jsonl(run_dir / "versions.jsonl")
     assert_versions_publish_sequence(events, start=0)
     assert_consume_lags(events, max_lag=2)
+    # a fresh launch counts its server's TensorBoard steps from 0, not from the earlier run's
+    assert not stale.exists() or json.loads(stale.read_text())["batches"] < 1000000000
 
 
 def test_grpo_with_dynamic_sampling_through_a_server_acts_each_group_with_one_version(tmp_path):
