@@ -47,6 +47,11 @@
 #      so env steps/s is what acting reaches beside a busy learner on the same GPU (under pace, step 11,
 #      both modes run at the learner's pace there), with the samples trained per second beside it;
 #      reuses step 11's prebuilt model when it ran first (about 3 minutes)
+#  11d. inference-server-free-mps: step 11b under CUDA MPS, started for this step only (and stopped
+#      after), so one call measures both: without MPS the GPU time-slices between the CUDA contexts and
+#      the 8 local copies took most of the slices (docs/results/inference_server_h100.md); under MPS the
+#      server's small kernels may run beside the learner's. Skipped, saying why, where MPS cannot start
+#      or TANDEM_GPU_MPS=1 already runs the whole session under it (about 2.5 minutes)
 #  11c. server-a0-cpu: no GPU used: issue 47's done-when 2 at a = 0 on the lent machine's CPU cores
 #      (the 2-core VM has fewer cores than the run has processes): benchmarks/async_speedup.py --latency 0
 #      with four actors sharing one device (local copies taking turns), through a server, and each on its
@@ -221,18 +226,38 @@ fi
 # (2026-11-27), too short to compare; 4,096 steps make the two runs and the build about 200 s. Both
 # modes step Reach on the CPU (env.device): on cuda:0 each server-mode actor held a CUDA context of
 # its own, 5.6 GB of the server run's 8.2 GB (docs/results/inference_server_h200.md).
-want inference-server && step inference-server 250 "$PY" benchmarks/inference_server.py \
-  --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
-  --buffer-size 8 --timeout 115 --prebuild /tmp/tandem-0p5b --set policy.vla_config.autocast=true \
-  --set learner.device=$DEV --out "$RUNS/inference_server" --json "$OUTDIR/inference_server.json"
-if want inference-server-free; then
-  pre=(--prebuild /tmp/tandem-0p5b)
-  # step 11's model, if it was saved whole (the adapter's keywords are written last)
+# server_bench NAME [--set ...]: step 11's run of benchmarks/inference_server.py as step NAME, into
+# $RUNS/NAME and $OUTDIR/NAME.json; the model is step 11's if it was saved whole (the adapter's
+# keywords are written last), else built here once (--prebuild)
+server_bench() {
+  local name=$1; shift
+  local pre=(--prebuild /tmp/tandem-0p5b)
   [[ -f /tmp/tandem-0p5b/tandem_adapter.json ]] && pre=(--set policy.vla_config.model_path=/tmp/tandem-0p5b)
-  step inference-server-free 250 "$PY" benchmarks/inference_server.py \
-    --config configs/vla_tokens_reach_0p5b_smoke.json --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu \
-    --buffer-size 8 --timeout 115 "${pre[@]}" --set policy.vla_config.autocast=true --set learner.device=$DEV \
-    --set trainer.lag_policy=drop --out "$RUNS/inference_server_free" --json "$OUTDIR/inference_server_free.json"
+  step "$name" 250 "$PY" benchmarks/inference_server.py --config configs/vla_tokens_reach_0p5b_smoke.json \
+    --device "$DEV" --actors 8 --num-envs 4 --steps 4096 --env-device cpu --buffer-size 8 --timeout 115 "${pre[@]}" \
+    --set policy.vla_config.autocast=true --set learner.device=$DEV "$@" \
+    --out "$RUNS/${name//-/_}" --json "$OUTDIR/${name//-/_}.json"
+}
+want inference-server && server_bench inference-server
+want inference-server-free && server_bench inference-server-free --set trainer.lag_policy=drop
+if want inference-server-free-mps; then
+  if [[ "${TANDEM_GPU_MPS:-0}" == 1 ]]; then
+    echo "=== [inference-server-free-mps] skipped: TANDEM_GPU_MPS=1 already runs every step under MPS"
+  elif ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "=== [inference-server-free-mps] skipped: no nvidia-cuda-mps-control on this machine"
+  else
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      echo "[gpu] CUDA MPS started for inference-server-free-mps"
+      server_bench inference-server-free-mps --set trainer.lag_policy=drop
+      echo quit | nvidia-cuda-mps-control
+      echo "[gpu] CUDA MPS stopped"
+    else
+      echo "=== [inference-server-free-mps] skipped: CUDA MPS did not start"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
 fi
 if want server-a0-cpu; then
   for s in ${TANDEM_A0_SEEDS:-1 2 3}; do
