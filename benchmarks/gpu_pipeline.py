@@ -180,19 +180,45 @@ def part_update(args, device: torch.device) -> list[dict]:
 
 def _serial_rate(raw: dict) -> dict:
     """Steady-state env steps/s of the serial runner: from the end of its first turn (start-up, the
-    first collection and update, any capture) to the end of the run."""
+    first collection and update, any capture) over the first half of the rest of the run. In the
+    second half the halves of :meth:`SerialRunner.step` are timed apart (the device synchronised after
+    each, which the first half's rate does not pay): the collection and the update per update, each
+    alone on the device, give the uncontended overlap bound the launcher rows are also measured
+    against (``samples_per_update / max(collect, update)``: what perfect overlap of the two would
+    reach if neither slowed the other)."""
     from runners.serial import SerialRunner
     runner = SerialRunner(config_from_dict(raw, source="gpu_pipeline"))
+    device = torch.device(raw["learner"]["device"])
+    collect_s, update_s, samples = [], [], []
     t0 = time.perf_counter()
     try:
         runner.step()
         t1, first = time.perf_counter(), runner.learner.env_steps
-        while runner.step():
+        half = first + (runner.cfg.trainer.total_steps - first) // 2
+        while runner.step() and runner.learner.env_steps < half:   # one turn at least
             pass
+        t2, steps = time.perf_counter(), runner.learner.env_steps
+        while not runner.learner.finished:      # SerialRunner.step, halves timed (eval_freq is 0 here)
+            a, before = time.perf_counter(), runner.learner.env_steps
+            for rollout, meta in runner.collect():
+                runner.learner.ingest(rollout, meta)
+            _sync(device)
+            b = time.perf_counter()
+            updates = len(runner.train())
+            _sync(device)
+            if updates:
+                collect_s.append((b - a) / updates)
+                update_s.append((time.perf_counter() - b) / updates)
+                samples.append((runner.learner.env_steps - before) / updates)
     finally:
         runner.close()
-    t2, steps = time.perf_counter(), runner.learner.env_steps
-    return {"env_steps": steps, "wall_s": t2 - t0, "sps": (steps - first) / max(t2 - t1, 1e-9)}
+    out = {"env_steps": runner.learner.env_steps, "wall_s": time.perf_counter() - t0,
+           "sps": (steps - first) / max(t2 - t1, 1e-9)}
+    if collect_s:
+        collect, update = statistics.median(collect_s), statistics.median(update_s)
+        out.update(collect_s_per_update=collect, update_s_per_update=update,
+                   bound_sps=statistics.median(samples) / max(collect, update))
+    return out
 
 
 # The launcher variants of part 2: (label, trainer.buffer_type, actors.rollout_transport,
@@ -225,7 +251,9 @@ def run_rates(run_dir: Path, num_actors: int) -> dict:
     Next to it the overlap bound: samples per update over the larger of the collection time per
     update (the actors' summed collection time per update over ``num_actors``, who collect side by
     side) and the learner's update time (medians over the updates after the first, ``metrics.jsonl``),
-    and ``overlap`` = sps / bound (1 = collection and update fully overlapped, nothing else costs)."""
+    and ``overlap`` = sps / bound (1 = collection and update fully overlapped, nothing else costs).
+    Both times are measured while the two run side by side, so each is slowed by the other and this
+    bound is lower than the uncontended one (:func:`_serial_rate`; ``overlap_uncontended`` in part 2)."""
     pubs = [e for e in read_jsonl(run_dir / "versions.jsonl") if e.get("event") == "publish" and e.get("version", 0) >= 1]
     if len(pubs) < 2:
         raise BenchmarkError(f"{run_dir}: {len(pubs)} updates published, too few for a steady rate")
@@ -259,6 +287,8 @@ def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
                 try:
                     row[label] = _launcher_rate(raw, label, buffer_type, transport, weights, Path(tmp), args.timeout)
                     row[f"{label}_over_serial"] = row[label]["sps"] / row["serial"]["sps"]
+                    if "bound_sps" in row["serial"]:   # against collection and update each alone on the device
+                        row[label]["overlap_uncontended"] = row[label]["sps"] / row["serial"]["bound_sps"]
                 except BenchmarkError as e:
                     row[label] = {"error": str(e)[-600:]}
             rows.append(row)

@@ -40,6 +40,8 @@ def test_pipeline_part_compares_the_launcher_with_the_serial_runner(tmp_path):
     assert gpu_pipeline.main(args) == 0
     (row,) = json.loads(out.read_text())["pipeline"]
     assert row["mode"] == "off" and row["serial"]["env_steps"] >= 4096
+    serial = row["serial"]                  # collection and update timed apart: the uncontended bound
+    assert serial["bound_sps"] == pytest.approx(512 / max(serial["collect_s_per_update"], serial["update_s_per_update"]))
     for buffer_type in ("standard", "vla", "vla_ring"):
         assert row[buffer_type]["env_steps"] >= 4096 and row[buffer_type]["stop_notes"] == []
         assert row[f"{buffer_type}_over_serial"] == pytest.approx(row[buffer_type]["sps"] / row["serial"]["sps"])
@@ -47,3 +49,4 @@ def test_pipeline_part_compares_the_launcher_with_the_serial_runner(tmp_path):
         assert r["updates_timed"] in (4096 // 512 - 1, 4096 // 512)
         assert r["bound_sps"] == pytest.approx(512 / max(r["collect_s_per_update"], r["update_s_per_update"]))
         assert r["overlap"] == pytest.approx(r["sps"] / r["bound_sps"])
+        assert r["overlap_uncontended"] == pytest.approx(r["sps"] / serial["bound_sps"])
