@@ -2,7 +2,7 @@
 # Start one Tandem run on this machine: the learner and N actors, each its own process.
 #
 #   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--record]
-#                       [--no-eval] [--set KEY=VALUE ...]
+#                       [--no-eval] [--mps] [--set KEY=VALUE ...]
 #
 # With no arguments it trains PPO on CartPole-v1 (configs/cartpole_ppo.json). On first use, when
 # the project is not importable, it creates .venv/ and installs it there (torch==2.13.0 only when
@@ -15,11 +15,14 @@
 # --record stores every batch the learner trains on under OUT/record (launch/replay.py retrains on it).
 # --no-eval starts no evaluator process: no eval/ metrics, no final evaluation, no videos (one process
 # and its start-up less: for short runs, and where the CPUs are all taken by actors).
+# --mps runs the run's processes under CUDA MPS (a control daemon of the run's own, stopped with it),
+# so that on a GPU shared by the learner, actors and inference servers their kernels run side by side
+# instead of taking turns in time slices (docs/guides/gpu_and_ddp.md).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="$ROOT/configs/cartpole_ppo.json"
-ACTORS=""; STEPS=""; OUT=""; RESUME=0; NO_EVAL=0; SETS=()
+ACTORS=""; STEPS=""; OUT=""; RESUME=0; NO_EVAL=0; MPS=0; SETS=()
 MAX_RESTARTS="${TANDEM_MAX_RESTARTS:-3}"
 
 usage() { sed -n '2,${/^#/!q;p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -32,6 +35,7 @@ while [[ $# -gt 0 ]]; do
     --resume) RESUME=1; shift ;;
     --record) SETS+=("trainer.record=true"); shift ;;
     --no-eval) NO_EVAL=1; shift ;;
+    --mps) MPS=1; shift ;;
     --set) SETS+=("$2"); shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "run_local.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -40,6 +44,9 @@ done
 [[ -f "$CONFIG" ]] || { echo "run_local.sh: config file '$CONFIG' not found" >&2; exit 2; }
 [[ -z "$ACTORS" || "$ACTORS" =~ ^[1-9][0-9]*$ ]] || { echo "run_local.sh: --actors must be a positive integer" >&2; exit 2; }
 [[ -z "$STEPS" || "$STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "run_local.sh: --steps must be a positive integer" >&2; exit 2; }
+if [[ $MPS -eq 1 ]] && ! command -v nvidia-cuda-mps-control >/dev/null; then
+  echo "run_local.sh: --mps: no nvidia-cuda-mps-control on PATH (it comes with the NVIDIA driver)" >&2; exit 2
+fi
 [[ -n "$ACTORS" ]] && SETS+=("actors.num_actors=$ACTORS")
 [[ -n "$STEPS" ]] && SETS+=("trainer.total_steps=$STEPS")
 
@@ -182,6 +189,26 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
     [[ "$ring" == /dev/shm/tandem-*.rollouts ]] && rm -f "$ring"
     rm -f "$OUT/endpoints.json"
   fi
+  stop_mps
+}
+
+# --mps: one MPS control daemon for this run, its pipes in a short private directory (they are Unix
+# sockets, whose paths are limited), its log in OUT/logs/mps; every process started after inherits both.
+start_mps() {
+  export CUDA_MPS_PIPE_DIRECTORY="${TMPDIR:-/tmp}/tandem-mps-$$" CUDA_MPS_LOG_DIRECTORY="$OUT/logs/mps"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if ! nvidia-cuda-mps-control -d; then
+    echo "run_local.sh: --mps: the MPS control daemon did not start (its log: $CUDA_MPS_LOG_DIRECTORY)" >&2
+    rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; exit 1
+  fi
+  MPS_STARTED=1
+  echo "[launch] CUDA MPS: the run's processes share each GPU through one MPS server (log: $CUDA_MPS_LOG_DIRECTORY)"
+}
+stop_mps() {  # after every process of the run has ended
+  [[ ${MPS_STARTED:-0} -eq 1 ]] || return 0
+  MPS_STARTED=0
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || echo "[launch] the MPS control daemon did not take 'quit'"
+  rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
 }
 
 on_signal() {
@@ -194,6 +221,7 @@ on_signal() {
 trap 'on_signal SIGINT 130' INT
 trap 'on_signal SIGTERM 143' TERM
 
+[[ $MPS -eq 1 ]] && start_mps
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
 [[ $RESUME -eq 1 ]] && learner_args+=(--resume)
 [[ $NO_EVAL -eq 1 ]] && learner_args+=(--no-eval)

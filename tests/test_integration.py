@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -710,3 +711,54 @@ def test_two_inference_servers_on_one_device_deal_out_its_actors(tmp_path):
         assert f"inference server {server} on cpu for actors {actors}" in log, log
         assert re.search(rf"inference server {server}: stopping after [1-9]\d* batches", log), log
     assert {e["actor"] for e in consumes(read_jsonl(run_dir / "versions.jsonl"))} == {0, 1, 2, 3}
+
+
+FAKE_MPS = """#!/usr/bin/env bash
+# a stand-in for nvidia-cuda-mps-control: says what it was asked, with the directories it was given
+if [[ "${1:-}" == -d ]]; then
+  echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$TANDEM_FAKE_MPS_LOG"
+else
+  read -r command; echo "$command $CUDA_MPS_PIPE_DIRECTORY" >> "$TANDEM_FAKE_MPS_LOG"
+fi
+"""
+
+
+def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_path):
+    """--mps: the launcher starts an MPS control daemon with a private pipe directory before any
+    process of the run, every process inherits its directories, and the daemon is told to quit
+    (and its pipe directory removed) once they have all ended. Without the daemon on PATH, --mps is
+    refused before anything starts. (Here a stand-in records what it is asked; a GPU run is in
+    benchmarks/gpu_session.sh.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-cuda-mps-control"
+    fake.write_text(FAKE_MPS)
+    fake.chmod(0o755)
+    calls = tmp_path / "mps_calls.txt"
+    env = {**_env(launcher_python=True), "PATH": f"{bin_dir}:{os.environ['PATH']}", "TANDEM_FAKE_MPS_LOG": str(calls)}
+    run_dir = tmp_path / "run"
+    run = Started(["bash", str(LAUNCH), "--out", str(run_dir), "--mps", "--no-eval", "--actors", "1",
+                   "--steps", "1024"], tmp_path / "launch.out", env=env)
+    seen: dict[str, str] = {}
+
+    def inherited() -> None:
+        for p in tandem_processes(run_dir):
+            try:
+                seen.setdefault(p.cmdline()[2], p.environ().get("CUDA_MPS_PIPE_DIRECTORY", ""))
+            except (psutil.Error, IndexError):
+                pass
+    out = finish(run, run_dir, every=inherited)
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("start ") and lines[1].startswith("quit "), lines
+    pipe, log_dir = lines[0].split()[1:]
+    assert lines[1].split()[1] == pipe and log_dir == str(run_dir / "logs" / "mps")
+    assert seen.get("learner") == pipe and seen.get("actors") == pipe, seen      # both roles inherited it
+    assert not Path(pipe).exists() and "CUDA MPS" in out
+
+    missing = {**env, "PATH": "/usr/bin:/bin"}
+    if shutil.which("nvidia-cuda-mps-control", path=missing["PATH"]):
+        return                          # a machine with the real one: the refusal cannot be seen here
+    refused = subprocess.run(["bash", str(LAUNCH), "--out", str(tmp_path / "none"), "--mps"], cwd=ROOT, env=missing,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--mps: no nvidia-cuda-mps-control" in refused.stderr, refused.stderr
+    assert not (tmp_path / "none").exists()
