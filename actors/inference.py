@@ -803,7 +803,9 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     except Exception as e:   # TensorBoard is optional for the server: its progress lines still say it all
         log.warning("inference server %d: no TensorBoard events (%s)", server_id, e)
     incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest)
-    weights = DrainingSubscriber(sub)   # read while a forward pass runs: no weights message is dropped
+    # from here on, read while a forward pass runs: no weights message is dropped (the seconds before
+    # hold no forward pass, and the first weights come again to a subscriber that joins)
+    weights = DrainingSubscriber(sub)
     server = InferenceServer(cfg, server_id, acting, loader, weights, sock, spec, stop, writer, expire_s=learner_timeout_s,
                              progress=progress_path(run_dir, server_id))
     log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
@@ -824,12 +826,16 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         if writer is not None:
             writer.close()
         loader.close()
-        weights.close()
-        sub.close()
+        drained = weights.close()
+        if drained:
+            sub.close()
         sock.close(linger=0)
         if curve_server is not None:
             curve_server.stop()
-        ctx.term()
+        if drained:
+            ctx.term()
+        else:   # its reader is stuck in the socket: the process ends without waiting on it
+            log.warning("inference server %d: the weights socket's reader did not stop", server_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,14 +182,16 @@ def _serial_rate(raw: dict) -> dict:
     """Steady-state env steps/s of the serial runner: from the end of its first turn (start-up, the
     first collection and update, any capture) over the first half of the rest of the run. In the
     second half the halves of :meth:`SerialRunner.step` are timed apart (the device synchronised after
-    each, which the first half's rate does not pay): the collection and the update per update, each
-    alone on the device, give the uncontended overlap bound the launcher rows are also measured
-    against (``samples_per_update / max(collect, update)``: what perfect overlap of the two would
-    reach if neither slowed the other)."""
+    each, which the first half's rate does not pay): the collection (over the number of actors, as
+    if they collected side by side) and the update per update, each alone on the device, give the
+    uncontended overlap bound the launcher rows are also measured against
+    (``samples_per_update / max(collect, update)``: what perfect overlap of the two would reach if
+    neither slowed the other)."""
     from runners.serial import SerialRunner
     runner = SerialRunner(config_from_dict(raw, source="gpu_pipeline"))
     device = torch.device(raw["learner"]["device"])
     collect_s, update_s, samples = [], [], []
+    actors = max(1, raw["actors"]["num_actors"])
     t0 = time.perf_counter()
     try:
         runner.step()
@@ -198,22 +200,27 @@ def _serial_rate(raw: dict) -> dict:
         while runner.step() and runner.learner.env_steps < half:   # one turn at least
             pass
         t2, steps = time.perf_counter(), runner.learner.env_steps
+        collecting, before = 0.0, runner.learner.env_steps
         while not runner.learner.finished:      # SerialRunner.step, halves timed (eval_freq is 0 here)
-            a, before = time.perf_counter(), runner.learner.env_steps
+            a = time.perf_counter()
             for rollout, meta in runner.collect():
                 runner.learner.ingest(rollout, meta)
             _sync(device)
             b = time.perf_counter()
+            collecting += b - a                  # turns without an update add up until one comes
             updates = len(runner.train())
             _sync(device)
             if updates:
-                collect_s.append((b - a) / updates)
+                # the actors collect one after another here and side by side in the launcher: the
+                # bound takes them as perfectly parallel (the launcher's own bound does the same)
+                collect_s.append(collecting / actors / updates)
                 update_s.append((time.perf_counter() - b) / updates)
                 samples.append((runner.learner.env_steps - before) / updates)
+                collecting, before = 0.0, runner.learner.env_steps
     finally:
         runner.close()
     out = {"env_steps": runner.learner.env_steps, "wall_s": time.perf_counter() - t0,
-           "sps": (steps - first) / max(t2 - t1, 1e-9)}
+           "sps": (steps - first) / max(t2 - t1, 1e-9) if steps > first else None}
     if collect_s:
         collect, update = statistics.median(collect_s), statistics.median(update_s)
         out.update(collect_s_per_update=collect, update_s_per_update=update,
@@ -286,7 +293,8 @@ def part_pipeline(args, device: torch.device, mode: str) -> list[dict]:
                     continue
                 try:
                     row[label] = _launcher_rate(raw, label, buffer_type, transport, weights, Path(tmp), args.timeout)
-                    row[f"{label}_over_serial"] = row[label]["sps"] / row["serial"]["sps"]
+                    if row["serial"]["sps"]:          # None when the run ended in its first turn
+                        row[f"{label}_over_serial"] = row[label]["sps"] / row["serial"]["sps"]
                     if "bound_sps" in row["serial"]:   # against collection and update each alone on the device
                         row[label]["overlap_uncontended"] = row[label]["sps"] / row["serial"]["bound_sps"]
                 except BenchmarkError as e:

@@ -249,9 +249,11 @@ if want inference-server-free-mps; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT   # the daemon goes with the script, however it ends
       echo "[gpu] CUDA MPS started for inference-server-free-mps"
       server_bench inference-server-free-mps --set trainer.lag_policy=drop
       echo quit | nvidia-cuda-mps-control
+      trap - EXIT
       echo "[gpu] CUDA MPS stopped"
     else
       echo "=== [inference-server-free-mps] skipped: CUDA MPS did not start"

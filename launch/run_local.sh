@@ -195,20 +195,21 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
 # --mps: one MPS control daemon for this run, its pipes in a short private directory (they are Unix
 # sockets, whose paths are limited), its log in OUT/logs/mps; every process started after inherits both.
 start_mps() {
-  export CUDA_MPS_PIPE_DIRECTORY="${TMPDIR:-/tmp}/tandem-mps-$$" CUDA_MPS_LOG_DIRECTORY="$OUT/logs/mps"
+  export CUDA_MPS_PIPE_DIRECTORY="${TMPDIR:-/tmp}/tandem-mps-$$" CUDA_MPS_LOG_DIRECTORY="$(cd "$OUT" && pwd)/logs/mps"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if ! nvidia-cuda-mps-control -d; then
+  MPS_STARTED=1                      # first: a signal from here on stops it (a quit to no daemon is harmless)
+  trap stop_mps EXIT                 # and any other way out of the launcher but SIGKILL
+  if ! nvidia-cuda-mps-control -d </dev/null >/dev/null 2>&1; then
     echo "run_local.sh: --mps: the MPS control daemon did not start (its log: $CUDA_MPS_LOG_DIRECTORY)" >&2
-    rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; exit 1
+    exit 1
   fi
-  MPS_STARTED=1
   echo "[launch] CUDA MPS: the run's processes share each GPU through one MPS server (log: $CUDA_MPS_LOG_DIRECTORY)"
 }
 stop_mps() {  # after every process of the run has ended
   [[ ${MPS_STARTED:-0} -eq 1 ]] || return 0
-  MPS_STARTED=0
   echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || echo "[launch] the MPS control daemon did not take 'quit'"
   rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
+  MPS_STARTED=0
 }
 
 on_signal() {
@@ -220,6 +221,7 @@ on_signal() {
 }
 trap 'on_signal SIGINT 130' INT
 trap 'on_signal SIGTERM 143' TERM
+trap 'on_signal SIGHUP 129' HUP    # a closed terminal: the same clean stop
 
 [[ $MPS -eq 1 ]] && start_mps
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")

@@ -206,33 +206,44 @@ class DrainingSubscriber:
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._msg: tuple[TensorDictBase, dict] | None = None
+        self._error: BaseException | None = None   # what ended the thread: raised to the holder
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights-drain", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._closing.is_set():
-            msg = self.sub.newest(self.poll_ms)
-            if msg is None:
-                continue
+        try:
+            while not self._closing.is_set():
+                msg = self.sub.newest(self.poll_ms)
+                if msg is None:
+                    continue
+                with self._ready:
+                    if self._msg is None or self._msg[1].get("kind") != "stop":   # a stop is never replaced
+                        self._msg = msg
+                    self._ready.notify_all()
+        except BaseException as e:   # the socket failed: the holder must hear of it, not wait for weights
             with self._ready:
-                if self._msg is None or self._msg[1].get("kind") != "stop":   # a stop is never replaced
-                    self._msg = msg
+                self._error = e
                 self._ready.notify_all()
 
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
+        """The newest message since the last call (a stop stays), or None; raises what ended the thread."""
         with self._ready:
-            if self._msg is None and timeout_ms > 0:
+            if self._msg is None and self._error is None and timeout_ms > 0:
                 self._ready.wait(timeout_ms / 1000)
+            if self._error is not None and self._msg is None:
+                raise RuntimeError(f"the weights socket's reader failed: {self._error!r}") from self._error
             msg = self._msg
             if msg is not None and msg[1].get("kind") != "stop":
                 self._msg = None
             return msg
 
-    def close(self) -> None:
-        """Stop the thread (within one poll); the socket is then the caller's to close."""
+    def close(self) -> bool:
+        """Stop the thread (within one poll). True when it has stopped: the socket is then the
+        caller's to close (while it runs, closing it from another thread is not safe)."""
         self._closing.set()
         self._thread.join(timeout=5)
+        return not self._thread.is_alive()
 
 
 class RolloutPusher:

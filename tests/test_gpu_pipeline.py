@@ -42,6 +42,7 @@ def test_pipeline_part_compares_the_launcher_with_the_serial_runner(tmp_path):
     assert row["mode"] == "off" and row["serial"]["env_steps"] >= 4096
     serial = row["serial"]                  # collection and update timed apart: the uncontended bound
     assert serial["bound_sps"] == pytest.approx(512 / max(serial["collect_s_per_update"], serial["update_s_per_update"]))
+    assert 0 < serial["collect_s_per_update"] and 0 < serial["update_s_per_update"]
     for buffer_type in ("standard", "vla", "vla_ring"):
         assert row[buffer_type]["env_steps"] >= 4096 and row[buffer_type]["stop_notes"] == []
         assert row[f"{buffer_type}_over_serial"] == pytest.approx(row[buffer_type]["sps"] / row["serial"]["sps"])

@@ -792,7 +792,7 @@ def test_a_server_busy_for_seconds_still_gets_the_newest_weights():
         time.sleep(0.2)
         last = 60
         for v in range(1, last + 1):                    # nobody reads meanwhile, as in a long forward pass
-            pub.publish(TensorDict({"w": torch.full((1 << 18,), float(v))}, []), kind="weights", version=v,
+            pub.publish(TensorDict({"w": torch.full((1 << 20,), float(v))}, []), kind="weights", version=v,
                         incarnation="L1", consumed=[v], time=float(v))
             pub.send_control(kind="credit", consumed=[v], incarnation="L1", time=float(v))
             time.sleep(0.02)                             # a learner's pace, faster than any real one
@@ -815,6 +815,22 @@ def test_a_server_busy_for_seconds_still_gets_the_newest_weights():
         drained.close()
         pub.close()
         ctx.term()
+
+
+def test_a_failed_weights_reader_is_raised_to_the_server_not_waited_on():
+    """If the thread reading the weights socket fails, the server hears it at its next look (and
+    ends, for the launcher to restart it) instead of waiting forever for weights that cannot come."""
+    from shared.transport import DrainingSubscriber
+
+    class Broken:
+        def newest(self, timeout_ms=0):
+            raise zmq.ZMQError(zmq.ETERM)
+    drain = DrainingSubscriber(Broken())
+    try:
+        with pytest.raises(RuntimeError, match="weights socket's reader failed"):
+            drain.newest(2000)
+    finally:
+        assert drain.close()
 
 
 def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights():

@@ -755,6 +755,12 @@ def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_
     assert seen.get("learner") == pipe and seen.get("actors") == pipe, seen      # both roles inherited it
     assert not Path(pipe).exists() and "CUDA MPS" in out
 
+    fake.write_text(FAKE_MPS.replace('if [[ "${1:-}" == -d ]]; then', 'if [[ "${1:-}" == -d ]]; then exit 1'))
+    failed = subprocess.run(["bash", str(LAUNCH), "--out", str(tmp_path / "failed"), "--mps"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 1 and "the MPS control daemon did not start" in failed.stderr, failed.stderr
+    (sent,) = calls.read_text().splitlines()[2:]          # the launcher still sent quit, and cleaned up
+    assert sent.startswith("quit ") and not Path(sent.split()[1]).exists(), sent
     missing = {**env, "PATH": "/usr/bin:/bin"}
     if shutil.which("nvidia-cuda-mps-control", path=missing["PATH"]):
         return                          # a machine with the real one: the refusal cannot be seen here
