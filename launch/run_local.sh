@@ -11,7 +11,8 @@
 # device) is restarted (with back-off, at most TANDEM_MAX_RESTARTS times each); if the learner dies
 # the run stops and exits non-zero.
 # Ctrl-C or SIGTERM, to the launcher or to its whole process group (as Slurm and Kubernetes send it),
-# stops every process within ~10 s (the learner writes a final checkpoint); the exit code is 130 or 143.
+# stops every process within ~10 s (the learner writes a final checkpoint); the exit code is 130 or 143
+# (SIGHUP, a closed terminal: 129, with whatever the hang-up left running stopped the same way).
 # --record stores every batch the learner trains on under OUT/record (launch/replay.py retrains on it).
 # --no-eval starts no evaluator process: no eval/ metrics, no final evaluation, no videos (one process
 # and its start-up less: for short runs, and where the CPUs are all taken by actors).
