@@ -47,8 +47,8 @@
 #      so env steps/s is what acting reaches beside a busy learner on the same GPU (under pace, step 11,
 #      both modes run at the learner's pace there), with the samples trained per second beside it;
 #      reuses step 11's prebuilt model when it ran first (about 3 minutes)
-#  11d. inference-server-free-mps: step 11b under CUDA MPS, started for this step only (and stopped
-#      after), so one call measures both: without MPS the GPU time-slices between the CUDA contexts and
+#  11d. inference-server-free-mps: step 11b under CUDA MPS (launch/run_local.sh --mps: each run starts
+#      a daemon of its own and stops it), so one call measures both: without MPS the GPU time-slices between the CUDA contexts and
 #      the 8 local copies took most of the slices (docs/results/inference_server_h100.md); under MPS the
 #      server's small kernels may run beside the learner's. Skipped, saying why, where MPS cannot start
 #      or TANDEM_GPU_MPS=1 already runs the whole session under it (about 2.5 minutes)
@@ -240,25 +240,13 @@ server_bench() {
 }
 want inference-server && server_bench inference-server
 want inference-server-free && server_bench inference-server-free --set trainer.lag_policy=drop
-if want inference-server-free-mps; then
+if want inference-server-free-mps; then   # each run under a daemon of its own: launch/run_local.sh --mps
   if [[ "${TANDEM_GPU_MPS:-0}" == 1 ]]; then
     echo "=== [inference-server-free-mps] skipped: TANDEM_GPU_MPS=1 already runs every step under MPS"
   elif ! command -v nvidia-cuda-mps-control >/dev/null; then
     echo "=== [inference-server-free-mps] skipped: no nvidia-cuda-mps-control on this machine"
   else
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if nvidia-cuda-mps-control -d; then
-      trap 'echo quit | nvidia-cuda-mps-control' EXIT   # the daemon goes with the script, however it ends
-      echo "[gpu] CUDA MPS started for inference-server-free-mps"
-      server_bench inference-server-free-mps --set trainer.lag_policy=drop
-      echo quit | nvidia-cuda-mps-control
-      trap - EXIT
-      echo "[gpu] CUDA MPS stopped"
-    else
-      echo "=== [inference-server-free-mps] skipped: CUDA MPS did not start"
-    fi
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    server_bench inference-server-free-mps --mps --set trainer.lag_policy=drop
   fi
 fi
 if want server-a0-cpu; then

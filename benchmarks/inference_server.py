@@ -3,7 +3,7 @@ per device, batched), on the same work, in one sitting.
 
     .venv/bin/python benchmarks/inference_server.py [--config configs/cartpole_ppo.json] [--actors 1,2,4,8]
         [--num-envs 4] [--latency 0.2] [--latency-per-env 0.0] [--steps 4096] [--buffer-size 16]
-        [--device cpu] [--modes local,server] [--server-splits 1] [--prebuild DIR] [--json out.json]
+        [--device cpu] [--modes local,server] [--server-splits 1] [--prebuild DIR] [--mps] [--json out.json]
         [--set KEY=VALUE ...]
 
 For every number of actors A in ``--actors`` and every mode, one ``launch/run_local.sh`` run in vla
@@ -181,7 +181,8 @@ def server_batches(run_dir: Path) -> dict:
 
 def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     run_dir = out_dir / f"{mode}_{actors}"
-    cmd = ["--config", str(args.config)] + [x for o in overrides(args, actors, mode) for x in ("--set", o)]
+    cmd = (["--config", str(args.config)] + [x for o in overrides(args, actors, mode) for x in ("--set", o)]
+           + (["--mps"] if args.mps else []))
     t0 = time.monotonic()
     p = start_launcher(cmd, run_dir)
     peak = {"all": 0.0, "server": 0.0, "actors": 0.0}   # each its own peak (they need not coincide)
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary one)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--mps", action="store_true", help="every run under CUDA MPS (launch/run_local.sh --mps: a daemon "
+                   "of its own per run)")
     p.add_argument("--prebuild", type=Path, metavar="DIR",
                    help="build the config's fresh VLA once, save it here, and have every process load it")
     args = p.parse_args(argv)
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[inference] {args.config.name}: {args.steps:,} env steps, actors {counts} x {args.num_envs} envs, "
           f"rollouts of {args.buffer_size}, device {args.device}"
           + "".join(f", {x}" for x in args.sets if x.startswith("trainer.lag_policy="))
+          + (", under CUDA MPS" if args.mps else "")
           + (f", a = {args.latency} s + b = {args.latency_per_env} s x envs per call" if args.device == "cpu" else "")
           + f" | {info}")
     if args.prebuild is not None:
