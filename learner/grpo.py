@@ -107,10 +107,19 @@ DYNAMIC_SAMPLING_TOL = 1e-6
 
 @torch.no_grad()
 def informative_groups(reward: torch.Tensor, done: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
-    """Dynamic sampling: for each group of `reward`/`done` ``[B, T]``, whether its members' outcomes
-    differ (bool ``[B // group_size]``): some step the group takes part in has a non-zero advantage
-    before scaling (the returns the baseline compares are not all within :data:`DYNAMIC_SAMPLING_TOL`).
-    A group that fails this has zero advantage at every step."""
+    """Dynamic sampling: for each group of `reward`/`done` ``[B, T]``, whether to keep it (bool
+    ``[B // group_size]``). By default, whether its members' outcomes differ: some step the group
+    takes part in has a non-zero advantage before scaling (the returns the baseline compares are not
+    all within :data:`DYNAMIC_SAMPLING_TOL`); a group that fails this has zero advantage at every step.
+    With a band (``dynamic_sampling_min_accuracy`` / ``_max_accuracy`` other than 0 and 1), whether
+    its success rate is strictly inside it, a member having succeeded when its return up to its first
+    episode end is positive."""
+    lo, hi = cfg.dynamic_sampling_min_accuracy, cfg.dynamic_sampling_max_accuracy
+    if (lo, hi) != (0.0, 1.0):
+        first = (done.long().cumsum(1) - done.long()) == 0          # up to and with the first episode end
+        success = ((reward * first).sum(1) > 0).float()              # [B]
+        rate = success.reshape(-1, cfg.group_size).mean(1)
+        return (rate > lo) & (rate < hi)
     adv, mask = grpo_advantages(reward, done, cfg.group_size, cfg.gamma, cfg.eps, cfg.truncate_at_first_done,
                                 scale_by_std=False, baseline=cfg.baseline, loss_mean="step")
     spread = (adv.abs() * mask).reshape(-1, cfg.group_size * adv.shape[1]).amax(1)

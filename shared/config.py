@@ -604,6 +604,15 @@ class GRPOConfig(ClippedPGConfig):
     no such group is dropped at once (counted as "uninformative"). "The same" is what the baseline
     compares: within 1e-6 of each other. Needs trainer.buffer_type "vla" (standard mode trains each
     version on exactly the rollouts acted by it, and has no more to take)."""
+    dynamic_sampling_min_accuracy: Annotated[float, Range(ge=0, le=1)] = 0.0
+    """With dynamic sampling, the lower end of a band on a group's success rate, kept instead of
+    "outcomes differ": a group is kept when min < its rate < max (SimpleVLA-RL's and TorchRL's
+    recipe: 0.1 and 0.9). A member succeeded when its return up to its first episode end is positive:
+    for a 0/1 success reward (Reach's ``reward: "success"``), whether it reached the goal. The
+    defaults, 0 and 1, keep the rule above, for any reward; in groups of fewer than 10 envs a band of
+    0.1 and 0.9 keeps the groups that hold both a success and a failure."""
+    dynamic_sampling_max_accuracy: Annotated[float, Range(ge=0, le=1)] = 1.0
+    """The upper end of that band (see ``dynamic_sampling_min_accuracy``)."""
 
 
 GRPO_EPISODE_NEEDS_TRUNCATION = {
@@ -888,6 +897,14 @@ def _check(cfg: Config) -> list[str]:
     if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
         errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
                       f"{a.sync_every} asks to hold weights for several rollouts: choose one")
+    band = (getattr(alg, "dynamic_sampling_min_accuracy", 0.0), getattr(alg, "dynamic_sampling_max_accuracy", 1.0))
+    if band != (0.0, 1.0):
+        if not getattr(alg, "dynamic_sampling", False):
+            errors.append(f"algorithm.cfg.dynamic_sampling_min_accuracy / _max_accuracy {band}: a band for dynamic "
+                          f"sampling, which is off (algorithm.cfg.dynamic_sampling: false)")
+        if band[0] >= band[1]:
+            errors.append(f"algorithm.cfg.dynamic_sampling_min_accuracy {band[0]} must be below "
+                          f"dynamic_sampling_max_accuracy {band[1]}: no group could be kept")
     if getattr(alg, "dynamic_sampling", False) and t.buffer_type != "vla":
         errors.append("algorithm.cfg.dynamic_sampling needs trainer.buffer_type \"vla\": it takes more rollouts "
                       "than rollouts_per_update when groups are dropped, and standard mode has no more of a "

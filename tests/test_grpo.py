@@ -315,6 +315,35 @@ def test_informative_groups_are_those_whose_outcomes_differ():
     assert informative_groups(reward, done, cfg).tolist() == [False, False, True]
 
 
+def test_a_success_rate_band_keeps_the_groups_strictly_inside_it():
+    """dynamic_sampling_min_accuracy / _max_accuracy 0.1 and 0.9 (SimpleVLA-RL's band) on groups of 16
+    with a 0/1 success reward: 1 success in 16 (0.06) and 15 in 16 (0.94) are left out, though their
+    outcomes differ; 2 in 16 (0.125) is kept. Only a member's first episode counts."""
+    from learner.grpo import informative_groups
+    g, t = 16, 4
+    done = torch.zeros(3 * g, t, dtype=torch.bool)
+    done[:, 1] = True                                    # every member's first episode ends at step 1
+    reward = torch.zeros(3 * g, t)
+    reward[0, 1] = 1.0                                   # group 0: one success
+    reward[g:2 * g - 1, 1] = 1.0                         # group 1: fifteen
+    reward[2 * g:2 * g + 2, 0] = 1.0                     # group 2: two
+    reward[5, 3] = 1.0                                   # group 0, after a first episode: not counted
+    band = GRPOConfig(group_size=g, dynamic_sampling_min_accuracy=0.1, dynamic_sampling_max_accuracy=0.9)
+    assert informative_groups(reward, done, band).tolist() == [False, False, True]
+    plain = GRPOConfig(group_size=g)                     # outcomes differ: all three
+    assert informative_groups(reward, done, plain).tolist() == [True, True, True]
+
+
+def test_a_success_rate_band_is_checked():
+    with pytest.raises(ConfigError, match="dynamic sampling, which is off"):
+        grpo_config(dynamic_sampling_min_accuracy=0.1)
+    with pytest.raises(ConfigError, match="must be below dynamic_sampling_max_accuracy"):
+        _ds_config(dynamic_sampling_min_accuracy=0.5, dynamic_sampling_max_accuracy=0.5)
+    with pytest.raises(ConfigError, match="dynamic_sampling_max_accuracy"):
+        _ds_config(dynamic_sampling_max_accuracy=1.5)
+    assert _ds_config(dynamic_sampling_min_accuracy=0.1, dynamic_sampling_max_accuracy=0.9) is not None
+
+
 def test_dynamic_sampling_keeps_identical_groups_out_and_the_batch_size(tmp_path):
     """Three rollouts of 2 groups each (k = 1: an update wants 2 groups that differ). The first and
     third have one such group each, the second none: it is dropped at once, and the update trains on
