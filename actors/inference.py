@@ -18,10 +18,10 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   the collector stamps on that step, so per-sample versions, lag accounting, corrections and the
   staleness report see exactly what acted. An actor asks for a minimum version at the start of a
   rollout (``min_version``, with the learner life it counts in): in standard mode one newer than
-  its last rollout's, under ``lag_policy: pace`` the newest the learner has announced, as a local
-  actor loads it before a rollout (unless a study knob holds weights back) (without it the server's load delay added a version of lag and
-  pace's bound did not hold); the server holds that request until it has one, or any version of
-  another life (a resumed learner's);
+  its last rollout's; under ``lag_policy: pace`` the newest the learner has announced, as a local
+  actor loads it before a rollout, unless a study knob holds weights back (otherwise the server's
+  load delay added a version of lag, past pace's bound). The server holds that request until it has
+  such a version, or any version of another life (a resumed learner's);
 - requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
   and counted with its sender in the log, and the queue of requests waiting for a batch is bounded
   (``actors.server_queue``); CURVE applies to its socket where the run uses it;
