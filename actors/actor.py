@@ -32,13 +32,15 @@ from shared.rollout import RolloutMeta, actor_seed, group_seeds
 from shared.rollout_ring import RingFull, attach_producer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
-from shared.transport import RolloutPusher, WeightsSubscriber
+from shared.transport import RESEND_AFTER_S, RolloutPusher, WeightsSubscriber
 
 log = logging.getLogger("tandem.actor")
 
 
 class WeightsSource(Protocol):
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None: ...
+
+    # optional: ask(version, incarnation), to have the learner re-send what a wait lacks (shared.transport)
 
 
 class RolloutSink(Protocol):
@@ -172,16 +174,32 @@ class Actor:
         self.stop_event.set()
         return False
 
+    def _asker(self):
+        """For a wait on the learner: a function that, every :data:`RESEND_AFTER_S` of the wait, asks
+        the learner again for its newest weights (if newer than ours) and credits, in case ZeroMQ
+        dropped the message we wait for at a high-water mark (it does so without a word)."""
+        ask = getattr(self.weights, "ask", None)     # in-process sources (tests) lose nothing
+        next_at = time.monotonic() + RESEND_AFTER_S
+
+        def maybe_ask() -> None:
+            nonlocal next_at
+            if ask is not None and time.monotonic() >= next_at:
+                ask(self.version, self.incarnation)
+                next_at = time.monotonic() + RESEND_AFTER_S
+        return maybe_ask
+
     def _wait_for_version(self, newer_than: int) -> bool:
         """Block until weights newer than `newer_than` are loaded (or stop). False on stop/timeout."""
         incarnation = self.incarnation
         self._load_due()
         deadline = time.monotonic() + self.learner_timeout_s
+        ask = self._asker()
         # A restarted learner's weights end the wait whatever their version (see _load_due).
         while self.version <= newer_than and (incarnation is None or self.incarnation == incarnation):
             if self.stop_event.is_set() or not self._poll(timeout_ms=100):
                 return False
             self._load_due()
+            ask()
             if time.monotonic() > deadline:
                 return self._give_up(f"no weights newer than version {newer_than} from the learner")
         return True
@@ -266,9 +284,11 @@ class Actor:
         """lag_policy "pace": wait while `max_inflight` of our rollouts are still unconsumed at the
         learner, instead of producing data that would be too old by the time it is trained on."""
         deadline = time.monotonic() + self.learner_timeout_s
+        ask = self._asker()
         while self._inflight() >= self.max_inflight:
             if self.stop_event.is_set() or not self._poll(timeout_ms=50):
                 return False
+            ask()
             if time.monotonic() > deadline:
                 return self._give_up("the learner consumed none of our rollouts")
         return True

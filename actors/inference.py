@@ -59,6 +59,7 @@ from shared.envs.base import EnvSpec
 from shared.files import write_json_atomic
 from shared.policies import ids_out_of_bounds, observation_bounds
 from shared.rollout import MAX_ABS_VALUE, rollout_template
+from shared.transport import RESEND_AFTER_S
 
 log = logging.getLogger("tandem.inference")
 
@@ -252,7 +253,8 @@ class InferenceServer:
         # dropped: malformed, busy (the queue was full), undeliverable (the reply could not be sent),
         # failed (the policy raised on it), expired (waited longer than its actor waits for a reply)
         self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0,
-                       "undeliverable": 0, "failed": 0, "expired": 0}
+                       "undeliverable": 0, "failed": 0, "expired": 0, "asked": 0}
+        self._next_ask = 0.0    # asks the learner again for weights a request waits for (_maybe_ask)
         self.expire_s = expire_s
         self._next_expiry = time.monotonic() + 1.0
         self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
@@ -268,6 +270,7 @@ class InferenceServer:
             if not self._take_weights():
                 break
             self._receive(timeout_s=0.1 if not self._ready() else 0.0)
+            self._maybe_ask()
             batch = self._batch()
             if batch:
                 self._serve(batch)
@@ -292,6 +295,18 @@ class InferenceServer:
             self.stop.set()
             return False
         return True
+
+    def _maybe_ask(self) -> None:
+        """A request has waited :data:`~shared.transport.RESEND_AFTER_S` for a version we lack: ask the
+        learner again for its newest weights (ZeroMQ may have dropped the message at a high-water
+        mark), then again every as long while one waits so."""
+        now = time.perf_counter()
+        if now < self._next_ask or not hasattr(self.weights, "ask"):
+            return
+        if any(now - r.arrived >= RESEND_AFTER_S and not self._servable(r) for r in self.waiting):
+            self.weights.ask(self.loader.version, self.loader.incarnation)
+            self.counts["asked"] += 1
+            self._next_ask = now + RESEND_AFTER_S
 
     def _ready(self) -> bool:
         return any(self._servable(r) for r in self.waiting)
@@ -488,7 +503,7 @@ class InferenceServer:
                 "batch_requests_mean": w["requests"] / b, "forward_ms_mean": 1000 * w["forward_s"] / b,
                 "busy_frac": w["forward_s"] / max(1e-9, now - self._last_log), "version": self.loader.version,
                 "malformed": c["malformed"], "busy": c["busy"], "undeliverable": c["undeliverable"],
-                "failed": c["failed"], "expired": c["expired"],
+                "failed": c["failed"], "expired": c["expired"], "asked_learner": c["asked"],
                 # the wait in force: server_max_wait_ms, or half the recent time per batch if less
                 "wait_ms": 1000 * min(self.max_wait_s, 0.5 * self.forward_ema_s)}
         log.info("inference server %d: v%d | %d batches, %.1f envs (max %d of %d) from %.1f requests each, "
@@ -817,9 +832,9 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         b = max(1, server.counts["batches"])
         c = server.counts
         log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each); requests "
-                 "dropped: %d malformed, %d busy, %d undeliverable, %d failed, %d expired", server_id, c["batches"],
-                 c["envs"] / b, c["replies"] / b, c["malformed"], c["busy"], c["undeliverable"], c["failed"],
-                 c["expired"])
+                 "dropped: %d malformed, %d busy, %d undeliverable, %d failed, %d expired; asked the learner again "
+                 "for weights %d times", server_id, c["batches"], c["envs"] / b, c["replies"] / b, c["malformed"],
+                 c["busy"], c["undeliverable"], c["failed"], c["expired"], c["asked"])
         if device.type == "cuda":   # where the server's device memory goes: the caching allocator's peaks
             log.info("inference server %d: peak device memory %.0f MiB allocated, %.0f MiB reserved", server_id,
                      torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20)

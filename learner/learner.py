@@ -287,7 +287,8 @@ class Learner:
         self.update_log.update(stats, lags, update_s, update_cpu_s, version=self.version, updates=self.updates,
                                learning_rate=float(self.optimizer.param_groups[0]["lr"]), buffer_fill=len(self.batcher),
                                wait_s=self.batcher.wait_s,
-                               auth_refused=self.curve.refused if self.curve is not None else None)
+                               auth_refused=self.curve.refused if self.curve is not None else None,
+                               weights_asks=getattr(self.weights_out.publisher, "asks", None))
         self.batcher.wait_s = 0.0
         return stats
 

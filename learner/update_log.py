@@ -39,7 +39,7 @@ class UpdateLog:
 
     def update(self, stats: dict[str, float], lags: torch.Tensor, update_s: float, update_cpu_s: float, *,
                version: int, updates: int, learning_rate: float, buffer_fill: int, wait_s: float,
-               auth_refused: int | None = None) -> dict[str, Any]:
+               auth_refused: int | None = None, weights_asks: dict[str, int] | None = None) -> dict[str, Any]:
         """The scalars of one update (``loss/``, ``train/``, ``lag/``, ``perf/``, ...), logged; returns them.
 
         `stats` are the update's own figures (``learner/ppo.py``, ``grpo.py``), `lags` its samples' lags
@@ -98,6 +98,9 @@ class UpdateLog:
             values["offpolicy/masked_samples_total"] = counts["masked_samples"]
         if auth_refused is not None:
             values["wire/auth_refused"] = auth_refused
+        if weights_asks is not None:   # subscribers that asked again for what they waited for (shared.transport)
+            values.update({"sync/asks": weights_asks["asks"], "sync/asks_malformed": weights_asks["malformed"],
+                           "sync/weights_resent": weights_asks["weights_resent"]})
         self.last_values = values
         if self.logger is not None:
             self.logger.scalars(env_steps, values, version=version, updates=updates)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,30 @@ def read_endpoints(path: Path, timeout_s: float = 120.0) -> dict[str, str]:
 # subscriber that needs no weights (an actor whose inference server takes them) subscribes to the
 # control topic only, and the publisher never sends it the tensors (XPUB filters per subscriber).
 WEIGHTS_TOPIC, CONTROL_TOPIC = b"w", b"c"
+# A subscriber that has waited RESEND_AFTER_S for what the learner should have sent it asks again, by
+# a subscription no message matches (ZeroMQ drops messages past a high-water mark, silently):
+# ASK_WEIGHTS + b"<version> <incarnation>" (what it holds) has the newest weights re-sent if they are
+# newer or of another learner life, and the newest credits; ASK_CREDIT has the credits alone re-sent.
+# The learner answers asks at most every RESEND_AFTER_S (weights may be gigabytes, and every weights
+# subscriber gets them), and never with weights it published under RESEND_AFTER_S ago (an ask sent
+# while they were on the way is not a loss).
+ASK_WEIGHTS, ASK_CREDIT = b"w?", b"c?"
+RESEND_AFTER_S = 5.0
+_ASK = re.compile(rb"(-1|[0-9]{1,18})(?: ([!-~]{1,64}))?")
+
+
+def parse_ask(payload: bytes) -> tuple[int, str | None] | None:
+    """``b"<version> <incarnation>"`` of an :data:`ASK_WEIGHTS` subscription, or None if malformed."""
+    m = _ASK.fullmatch(payload)
+    if m is None:
+        return None
+    return int(m.group(1)), (m.group(2).decode("ascii") if m.group(2) else None)
+
+
+def ask_topic(version: int, incarnation: str | None) -> bytes:
+    """The :data:`ASK_WEIGHTS` subscription of a subscriber holding `version` of learner life `incarnation`."""
+    named = incarnation is not None and 0 < len(incarnation) <= 64 and all("!" <= c <= "~" for c in incarnation)
+    return ASK_WEIGHTS + str(max(-1, int(version))).encode() + (b" " + incarnation.encode() if named else b"")
 
 
 class WeightsPublisher:
@@ -82,7 +107,8 @@ class WeightsPublisher:
     (``consumed``) is followed by a control message with the credits and the learner's incarnation
     alone, so that such subscribers have them too (``lag_policy: "pace"``). The newest credits, from
     a weights message or a credit message, are kept and re-sent whenever anyone joins; the newest
-    weights are re-sent only when a subscriber to the weights joins."""
+    weights are re-sent only when a subscriber to the weights joins, or when a subscriber asks for
+    them holding an older version (:data:`ASK_WEIGHTS`: a weights message it lost)."""
 
     def __init__(self, ctx: zmq.Context, host: str, port: int = 0, curve: Any = None, advertise: str = ""):
         self.sock = _socket(ctx, zmq.XPUB, SNDHWM=8, XPUB_VERBOSE=1)
@@ -90,12 +116,18 @@ class WeightsPublisher:
             curve.apply(self.sock)
         self.endpoint = bind(self.sock, host, port, advertise)
         self._last: list | None = None
+        self._last_id: tuple[Any, Any] = (None, None)   # (version, incarnation) of _last
         self._last_credit: list | None = None
+        self._resent_at = self._published_at = float("-inf")
         self.subscribers_seen = 0
         self.control_only_seen = False
+        # asks (ASK_WEIGHTS, ASK_CREDIT) received, malformed ones among them, and weights re-sent for them
+        self.asks = {"asks": 0, "malformed": 0, "weights_resent": 0}
 
     def publish(self, td: TensorDictBase, **meta: Any) -> None:
         self._last = [WEIGHTS_TOPIC, *wire.encode(td, **meta)]
+        self._last_id = (meta.get("version"), meta.get("incarnation"))
+        self._published_at = time.monotonic()
         self.sock.send_multipart(self._last, copy=False)
         if "consumed" in meta:   # kept for control-only subscribers who join later, sent to those already here
             self._last_credit = self._control(kind="credit", consumed=meta["consumed"], version=meta.get("version"),
@@ -115,23 +147,51 @@ class WeightsPublisher:
         return [CONTROL_TOPIC, *wire.encode(TensorDict({}, []), **meta)]
 
     def serve_subscriptions(self) -> int:
-        """Handle pending subscribe events: re-send the newest weights if a subscriber to them joined,
-        and the newest credits if anyone did."""
-        joined, weights_joined = 0, False
+        """Handle pending subscribe events: re-send the newest weights if a subscriber to them joined
+        or asked for them holding an older version, and the newest credits if anyone joined or asked.
+        Asks are answered at most every :data:`RESEND_AFTER_S`. Returns how many joined."""
+        joined, weights_joined, asked, weights_asked = 0, False, False, False
         while self.sock.poll(0):
             msg = self.sock.recv()
-            if msg[:1] == b"\x01":
+            if msg[:1] != b"\x01":              # an unsubscription
+                continue
+            topic = msg[1:]
+            if topic.startswith(ASK_CREDIT):
+                self.asks["asks"] += 1
+                asked = True
+            elif topic.startswith(ASK_WEIGHTS):
+                self.asks["asks"] += 1
+                held = parse_ask(topic[len(ASK_WEIGHTS):])
+                if held is None:
+                    self.asks["malformed"] += 1
+                    continue
+                asked = True
+                weights_asked = weights_asked or self._older_than_last(*held)
+            else:
                 joined += 1
-                if msg[1:] == CONTROL_TOPIC:
+                if topic == CONTROL_TOPIC:
                     self.control_only_seen = True
-                else:                         # b"" (everything) or the weights topic
+                else:                             # b"" (everything) or the weights topic
                     weights_joined = True
-        if weights_joined and self._last is not None:
+        now = time.monotonic()
+        due = asked and now - self._resent_at >= RESEND_AFTER_S
+        if due:
+            self._resent_at = now
+        weights_asked = weights_asked and due and now - self._published_at >= RESEND_AFTER_S
+        if (weights_joined or weights_asked) and self._last is not None:
             self.sock.send_multipart(self._last, copy=False)
-        if joined and self._last_credit is not None:
+            self.asks["weights_resent"] += not weights_joined
+        if (joined or due) and self._last_credit is not None:
             self.sock.send_multipart(self._last_credit)
         self.subscribers_seen += joined
         return joined
+
+    def _older_than_last(self, version: int, incarnation: str | None) -> bool:
+        """A subscriber holding (`version`, `incarnation`) lacks the newest weights published."""
+        last_version, last_incarnation = self._last_id
+        if self._last is None or not isinstance(last_version, int):
+            return False
+        return (incarnation is not None and incarnation != last_incarnation) or version < last_version
 
     def close(self) -> None:
         self.sock.close(linger=LINGER_MS)
@@ -147,6 +207,8 @@ class WeightsSubscriber:
             curve.apply(self.sock)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"" if weights else CONTROL_TOPIC)
         self.sock.connect(endpoint)
+        self.weights = weights
+        self.asked = 0
         self.consumed: list | None = None
         self.consumed_from: str | None = None   # the learner incarnation that counted `consumed`
         # (version, incarnation): the newest version the learner has announced, by weights or credit
@@ -183,6 +245,17 @@ class WeightsSubscriber:
             latest = (td, meta)
         return latest
 
+    def ask(self, version: int, incarnation: str | None) -> None:
+        """Ask the learner again for what it should have sent by now: its newest weights if they are
+        newer than (`version`, `incarnation`), the ones held here, and its newest credits (a control-only
+        subscriber asks for the credits alone). ZeroMQ drops a message past a high-water mark without a
+        word: this is how a subscriber that has waited long for a version or a credit gets one lost so.
+        The learner answers between its updates (see :data:`RESEND_AFTER_S`)."""
+        topic = ask_topic(version, incarnation) if self.weights else ASK_CREDIT
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)     # matches no message: only the learner reads it
+        self.sock.setsockopt(zmq.UNSUBSCRIBE, topic)
+        self.asked += 1
+
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -208,12 +281,17 @@ class DrainingSubscriber:
         self._msg: tuple[TensorDictBase, dict] | None = None
         self._error: BaseException | None = None   # what ended the thread: raised to the holder
         self._closing = threading.Event()
+        self._ask: tuple[int, str | None] | None = None   # passed to the thread, which owns the socket
         self._thread = threading.Thread(target=self._run, name="weights-drain", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             while not self._closing.is_set():
+                with self._lock:
+                    ask, self._ask = self._ask, None
+                if ask is not None:
+                    self.sub.ask(*ask)
                 msg = self.sub.newest(self.poll_ms)
                 if msg is None:
                     continue
@@ -237,6 +315,11 @@ class DrainingSubscriber:
             if msg is not None and msg[1].get("kind") != "stop":
                 self._msg = None
             return msg
+
+    def ask(self, version: int, incarnation: str | None) -> None:
+        """:meth:`WeightsSubscriber.ask`, sent by the thread within one poll."""
+        with self._lock:
+            self._ask = (version, incarnation)
 
     def close(self) -> bool:
         """Stop the thread (within one poll). True when it has stopped: the socket is then the
