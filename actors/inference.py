@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ import torch
 import zmq
 from tensordict import TensorDict, TensorDictBase
 
+from actors.unix_channel import ServerChannels, UnixDealer, socket_path
 from shared import keys, wire
 from shared.config import Config
 from shared.envs.base import EnvSpec
@@ -662,10 +664,11 @@ class RemotePolicy:
         """(Re)connect to a (re)started server when its endpoint file says so, and send every
         request in flight that this incarnation of the server has not had yet."""
         now = time.monotonic()
-        if now >= self._next_check or self.sock is None:
+        if now >= self._next_check or self.sock is None or getattr(self.sock, "broken", False):
             self._next_check = now + ENDPOINT_CHECK_S
             info = read_endpoint(self.path)
-            if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]):
+            if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]
+                                     or getattr(self.sock, "broken", False)):
                 self._connect(info)
         if self.sock is None:
             return
@@ -675,6 +678,9 @@ class RemotePolicy:
                     self.sock.send_multipart(p.frames, flags=zmq.NOBLOCK)
                     p.sent_to = self.server["incarnation"]
                 except zmq.Again:
+                    return
+                except zmq.ZMQError:     # the Unix connection broke: reconnected at the next look
+                    self._next_check = 0.0
                     return
 
     def _take_reply(self, reply: list) -> None:
@@ -715,6 +721,17 @@ class RemotePolicy:
     def _connect(self, info: dict) -> None:
         if self.sock is not None:
             self.sock.close(linger=0)
+        for p in self._pending.values():   # a new connection has had none of them
+            p.sent_to = None
+        self.server = info
+        unix = info.get("unix")
+        if isinstance(unix, str) and info.get("host") == socket.gethostname():
+            try:   # the server on this host: its Unix socket (actors/unix_channel.py), else its ZeroMQ one
+                self.sock = UnixDealer(Path(unix))
+                return
+            except OSError as e:
+                log.info("actor %d: the inference server's Unix socket %s refused (%s); using %s",
+                         self.actor_id, unix, e, info["endpoint"])
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 4 + MAX_IN_FLIGHT)
@@ -722,7 +739,6 @@ class RemotePolicy:
         if self.curve is not None:
             self.curve.apply(self.sock)
         self.sock.connect(info["endpoint"])
-        self.server = info
 
     def close(self) -> None:
         if self.sock is not None:
@@ -751,11 +767,15 @@ def bind_router(ctx: zmq.Context, host: str, path: Path, curve=None) -> tuple[zm
     return sock, bind(sock, host, 0)
 
 
-def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str) -> str:
-    """Announce a server to its actors (atomically); returns its new incarnation."""
+def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str, unix: Path | None = None) -> str:
+    """Announce a server to its actors (atomically); returns its new incarnation. `unix`: the Unix
+    socket it also listens on (actors on this host use it)."""
     incarnation = uuid.uuid4().hex[:12]
-    write_json_atomic(path, {"endpoint": endpoint, "incarnation": incarnation, "pid": os.getpid(),
-                             "critic": critic, "base_digest": base_digest})
+    info = {"endpoint": endpoint, "incarnation": incarnation, "pid": os.getpid(), "critic": critic,
+            "base_digest": base_digest}
+    if unix is not None:
+        info.update(unix=str(unix), host=socket.gethostname())
+    write_json_atomic(path, info)
     return incarnation
 
 
@@ -817,12 +837,17 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         writer = SummaryWriter(str(run_dir), filename_suffix=f".inference{server_id}")
     except Exception as e:   # TensorBoard is optional for the server: its progress lines still say it all
         log.warning("inference server %d: no TensorBoard events (%s)", server_id, e)
-    incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest)
     # from here on, read while a forward pass runs: no weights message is dropped (the seconds before
     # hold no forward pass, and the first weights come again to a subscriber that joins)
     weights = DrainingSubscriber(sub)
     server = InferenceServer(cfg, server_id, acting, loader, weights, sock, spec, stop, writer, expire_s=learner_timeout_s,
                              progress=progress_path(run_dir, server_id))
+    unix = None
+    if a.server_transport == "unix":   # the actors on this host: a Unix socket (actors/unix_channel.py)
+        unix = socket_path(run_dir, server_id)
+        sock = server.sock = ServerChannels(sock, unix, server.checker.max_bytes,
+                                            on_broken=lambda route, why: server._refuse("malformed", route, why))
+    incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest, unix)
     log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
              "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
              1000 * server.max_wait_s)
@@ -835,6 +860,8 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
                  "dropped: %d malformed, %d busy, %d undeliverable, %d failed, %d expired; asked the learner again "
                  "for weights %d times", server_id, c["batches"], c["envs"] / b, c["replies"] / b, c["malformed"],
                  c["busy"], c["undeliverable"], c["failed"], c["expired"], c["asked"])
+        if isinstance(sock, ServerChannels):
+            log.info("inference server %d: %d actor connections over its Unix socket", server_id, sock.accepted)
         if device.type == "cuda":   # where the server's device memory goes: the caching allocator's peaks
             log.info("inference server %d: peak device memory %.0f MiB allocated, %.0f MiB reserved", server_id,
                      torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20)

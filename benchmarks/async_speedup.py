@@ -21,7 +21,9 @@ one device take turns, across processes; ``actors/emulated_device.py``):
   envs taking turns on the one device), ``vla 4x16 server`` (the four actors' calls batched into one
   by an inference server, ``actors.inference=server``, whose every call costs ``a + b x batch``),
   ``vla 4x16 server, 2 parts`` (the same with ``actors.server_splits=2``: each actor steps half its
-  envs while the server acts for the other half), ``thread 64`` (the seed's one-process design, the lock being the device);
+  envs while the server acts for the other half), ``vla 4x16 server, zmq`` (the server reached over
+  ZeroMQ instead of its Unix socket, ``actors.server_transport=zmq``), ``thread 64`` (the seed's
+  one-process design, the lock being the device);
 - 4 devices: ``standard 4x16`` and ``vla 4x16``, an actor per device.
 
 For each group the table prints the speed-up over the group's standard variant on the training
@@ -120,6 +122,7 @@ class Variant:
     devices: str = ""                  # emulated devices: "one" shared by all actors, "own" one each, "" none;
                                        # "server": one inference server acts for all (actors.inference)
     splits: int = 1                    # server: actors.server_splits (each actor's envs in this many parts)
+    transport: str = ""                # server: actors.server_transport ("": the config's)
 
     def __iter__(self):                # (label, buffer_type, actors, kind), as the tuples this replaced
         return iter((self.label, self.buffer_type, self.actors, self.kind))
@@ -140,6 +143,7 @@ VARIANTS = {
     "thread-1dev": Variant("thread 64", "vla", 1, "thread", "1 device", "one"),
     "server4-1dev": Variant("vla 4x16 server", "vla", 4, "process", "1 device", "server"),
     "server4s2-1dev": Variant("vla 4x16 server, 2 parts", "vla", 4, "process", "1 device", "server", splits=2),
+    "server4z-1dev": Variant("vla 4x16 server, zmq", "vla", 4, "process", "1 device", "server", transport="zmq"),
     "std4-4dev": Variant("standard 4x16", "standard", 4, "process", "4 devices", "own"),
     "vla4-4dev": Variant("vla 4x16", "vla", 4, "process", "4 devices", "own"),
     # Unequal (the earlier comparison): every actor adds --num-envs envs and an inference engine of its
@@ -206,7 +210,8 @@ def variant_overrides(args, v: Variant) -> list[str]:
     devices = {"one": ["dev0"], "own": [f"dev{i}" for i in range(actors)]}.get(v.devices, [])
     extra = [f"actors.emulated_devices={json.dumps(devices)}"] if devices and v.kind == "process" else []
     if v.devices == "server":   # the device is the server's: it batches the 4 actors' calls into one
-        extra = ["actors.inference=server"] + ([f"actors.server_splits={v.splits}"] if v.splits > 1 else [])
+        extra = (["actors.inference=server"] + ([f"actors.server_splits={v.splits}"] if v.splits > 1 else [])
+                 + ([f"actors.server_transport={v.transport}"] if v.transport else []))
     return list(args.sets) + extra + [
         f"trainer.buffer_type={buffer_type}",
         f"actors.num_actors={actors}",

@@ -235,6 +235,10 @@ class ActorsConfig:
     (double-buffered sampling): while the server acts for one part, the actor steps another, so
     the round trip to the server is hidden behind env steps. 1: one request for all envs, then wait.
     actors.num_envs must split evenly, and for GRPO into whole groups."""
+    server_transport: Literal["unix", "zmq"] = "unix"
+    """server: how actors on the server's host reach it. unix: a Unix stream socket (a round trip
+    wakes two threads instead of ZeroMQ's six: actors/unix_channel.py); actors on other hosts, or
+    that cannot open it, use the server's ZeroMQ socket (CURVE applies there). zmq: ZeroMQ for all."""
     servers_per_device: Annotated[int, Range(ge=1, le=64)] = 1
     """server: inference servers for each distinct entry of actors.devices; an entry's actors are
     dealt out to its servers in turn (its 1st, (k+1)th, ... actor to the first). On Ray, one per node

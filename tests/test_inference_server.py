@@ -60,7 +60,7 @@ def _cfg(**actors):
 class Served:
     """A server on a thread (real ROUTER socket), and RemotePolicies for its actors."""
 
-    def __init__(self, tmp_path, curve=None, progress=None, **actors):
+    def __init__(self, tmp_path, curve=None, progress=None, unix=False, **actors):
         self.cfg = cfg = _cfg(**actors)
         self.spec = env_spec(ENV)
         torch.manual_seed(0)
@@ -78,6 +78,11 @@ class Served:
         self.stop = threading.Event()
         self.server = InferenceServer(cfg, 0, self.policy, self.loader, self.weights, self.sock, self.spec, self.stop,
                                       progress=progress)
+        if unix:   # actors.server_transport "unix", as run_server_process sets it up
+            from actors.unix_channel import ServerChannels, socket_path
+            self.sock = self.server.sock = ServerChannels(self.sock, socket_path(tmp_path, 0),
+                                                          self.server.checker.max_bytes)
+            write_endpoint(self.path, endpoint, True, self.loader.base_digest, self.sock.path)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.remotes: list[RemotePolicy] = []
 
@@ -122,7 +127,17 @@ def _obs(n: int, seed: int) -> TensorDict:
     return TensorDict({keys.OBS: torch.randn(n, 3, generator=g)}, batch_size=[n])
 
 
-def test_replies_equal_the_local_policy_for_the_same_observations_and_seed(served):
+@pytest.mark.parametrize("transport", ["zmq", "unix"])
+def test_replies_equal_the_local_policy_for_the_same_observations_and_seed(tmp_path, transport):
+    served = Served(tmp_path, unix=transport == "unix")
+    try:
+        _replies_equal_local(served)
+        assert type(served.remotes[0].sock).__name__ == ("UnixDealer" if transport == "unix" else "Socket")
+    finally:
+        served.close()
+
+
+def _replies_equal_local(served):
     served.weights.publish(served.learner, 0)
     served.start()
     w0 = {k: v.clone() for k, v in served.learner.state_dict().items()}

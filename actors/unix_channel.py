@@ -1,0 +1,362 @@
+"""Requests and replies between actors and their inference server on one host, over a Unix stream
+socket (``actors.server_transport: "unix"``).
+
+An inference server's requests are small and come once per env step, so their cost is the round trip.
+ZeroMQ passes every message through an I/O thread on each side: a round trip wakes six threads, where
+a Unix socket wakes two. On a loaded 2-core host a round trip took 240-340 us through ZeroMQ over
+loopback and 100-120 us through a Unix socket (4 clients, one busy process beside them), and each
+wake-up is CPU taken from the learner. The messages are the same wire frames (``shared/wire.py``);
+only the transport differs. Actors on another host (or without the socket file) use the server's
+ZeroMQ socket, which stays open; CURVE is for that one: the Unix socket lives in a directory only
+this user can enter.
+
+Framing on the stream: ``b"TDM1"``, the frame count (u32), each frame's length (u64), then the frames.
+A peer that breaks it (bad magic, too many frames, a message over the size limit) is dropped: the stream
+cannot be resynchronised. Both ends are non-blocking: a reply that does not fit the socket's buffer
+waits in the connection's own queue (bounded), so a slow actor never stalls the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import select
+import socket
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+MAGIC = b"TDM1"
+MAX_FRAMES = 64
+_COUNT = struct.Struct("<4sI")
+_LEN = struct.Struct("<Q")
+SOCKET_BUFFER = 4 << 20          # bytes: a VLA request of several images fits without a partial write
+MAX_QUEUED_OUT = 64 << 20        # bytes queued for one slow peer; past this it is dropped
+
+
+class FramingError(Exception):
+    """A peer's stream is not ours: it cannot be read on from here."""
+
+
+def socket_path(run_dir: str | Path, server_id: int) -> Path:
+    """Where server `server_id` of the run in `run_dir` listens: a private directory under the system's
+    temporary one (a Unix socket path is limited to 107 bytes; run directories are often longer)."""
+    tag = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"tandem-{os.getuid()}-{tag}" / f"server_{server_id}.sock"
+
+
+def encode(frames: list) -> list:
+    """The buffers that carry `frames` (bytes-like) on the stream, header first."""
+    views = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
+    head = _COUNT.pack(MAGIC, len(views)) + b"".join(_LEN.pack(len(v)) for v in views)
+    return [head, *views]
+
+
+class _Stream:
+    """One connection: its bytes in (assembled into messages) and out (queued when the socket is full)."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int):
+        self.sock, self.max_bytes = sock, max_bytes
+        self.inbuf = bytearray()
+        self.out = bytearray()
+        self.closed = False
+
+    def read(self) -> None:
+        """Take what the socket has (non-blocking); sets `closed` at its end."""
+        while not self.closed:
+            try:
+                data = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.closed = True
+                return
+            if not data:
+                self.closed = True
+                return
+            self.inbuf += data
+            if len(data) < (1 << 20):
+                return
+
+    def message(self) -> list[memoryview] | None:
+        """The next whole message received, as frames (each its own writable memory), or None."""
+        if len(self.inbuf) < _COUNT.size:
+            return None
+        magic, n = _COUNT.unpack_from(self.inbuf)
+        if magic != MAGIC or n < 1 or n > MAX_FRAMES:
+            raise FramingError(f"not a Tandem stream (starts {bytes(self.inbuf[:8])!r})")
+        head = _COUNT.size + n * _LEN.size
+        if len(self.inbuf) < head:
+            return None
+        lengths = [_LEN.unpack_from(self.inbuf, _COUNT.size + i * _LEN.size)[0] for i in range(n)]
+        total = sum(lengths)
+        if total > self.max_bytes:
+            raise FramingError(f"a message of {total} bytes, over the {self.max_bytes}-byte limit")
+        if len(self.inbuf) < head + total:
+            return None
+        body = bytearray(self.inbuf[head:head + total])   # its own memory: the tensors alias it
+        del self.inbuf[:head + total]
+        out, view, at = [], memoryview(body), 0
+        for k in lengths:
+            out.append(view[at:at + k])
+            at += k
+        return out
+
+    def send(self, buffers: list) -> bool:
+        """Queue a message and write what the socket takes; False when the peer is gone or too slow."""
+        if self.closed:
+            return False
+        if not self.out:
+            try:
+                sent = self.sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.closed = True
+                return False
+            size = sum(len(b) for b in buffers)
+            if sent == size:
+                return True
+            rest = b"".join(bytes(b) for b in buffers)[sent:]
+        else:
+            rest = b"".join(bytes(b) for b in buffers)
+        if len(self.out) + len(rest) > MAX_QUEUED_OUT:
+            self.closed = True
+            return False
+        self.out += rest
+        return self.flush()
+
+    def flush(self) -> bool:
+        while self.out and not self.closed:
+            try:
+                sent = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                self.closed = True
+                return False
+            del self.out[:sent]
+        return not self.closed
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _configure(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
+class Route(bytes):
+    """A Unix connection's routing id, read as a ZeroMQ frame is (``.bytes``)."""
+
+    @property
+    def bytes(self) -> bytes:
+        return bytes(self)
+
+
+ROUTE_PREFIX = b"unix:"   # ZeroMQ's own routing ids start with a zero byte: never this
+
+
+class ServerChannels:
+    """The server's side: its ZeroMQ ROUTER and a Unix listener, read and written as one ROUTER
+    (``poll``, ``recv_multipart``, ``send_multipart``, ``close``). A message from a Unix connection
+    comes as ``[route, *frames]`` with a route of its own; a reply to that route goes back on it.
+
+    Args:
+        router: the server's ZeroMQ ROUTER (remote actors, CURVE).
+        path: where to listen (:func:`socket_path`); its directory is made private to this user.
+        max_bytes: the largest request (the server's :class:`RequestChecker` limit).
+        on_broken: called with (route, why) when a peer's stream breaks the framing (it is dropped).
+    """
+
+    def __init__(self, router: zmq.Socket, path: Path, max_bytes: int, on_broken=None):
+        self.router, self.path, self.max_bytes = router, Path(path), max_bytes
+        self.on_broken = on_broken or (lambda route, why: None)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o700)
+        try:
+            self.path.unlink()            # a dead incarnation's socket file
+        except FileNotFoundError:
+            pass
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.path))
+        self.listener.listen(256)
+        self.listener.setblocking(False)
+        self.streams: dict[bytes, _Stream] = {}
+        self.by_fd: dict[int, bytes] = {}
+        self.ready: list[list] = []        # whole messages received, not handed out yet
+        self._next = 0
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self.listener.fileno(), zmq.POLLIN)
+        self._writing: set[bytes] = set()  # routes registered for POLLOUT (a reply queued)
+        self.accepted = 0                  # connections taken, over the server's life
+
+    # -------------------------------------------------------------- the ROUTER's interface
+    def poll(self, timeout_ms: int = 0) -> bool:
+        if self.ready:
+            return True
+        for route in [r for r in self._writing if not self.streams[r].out]:
+            self._poller.register(self.streams[route].sock.fileno(), zmq.POLLIN)
+            self._writing.discard(route)
+        events = dict(self._poller.poll(timeout_ms))
+        router_ready = bool(events.pop(self.router, 0))
+        for fd, ev in events.items():
+            if fd == self.listener.fileno():
+                self._accept()
+                continue
+            route = self.by_fd.get(fd)
+            if route is None:
+                continue
+            s = self.streams[route]
+            if ev & zmq.POLLOUT:
+                s.flush()
+            if ev & zmq.POLLIN:
+                s.read()
+                self._collect(route, s)
+            if s.closed:
+                self._drop(route)
+        return bool(self.ready) or router_ready
+
+    def recv_multipart(self, copy: bool = False) -> list:
+        if self.ready:
+            return self.ready.pop(0)
+        return self.router.recv_multipart(copy=copy)
+
+    def send_multipart(self, frames: list, flags: int = 0) -> None:
+        route = bytes(getattr(frames[0], "bytes", frames[0]))
+        if not route.startswith(ROUTE_PREFIX):
+            self.router.send_multipart(frames, flags=flags)
+            return
+        s = self.streams.get(route)
+        if s is None or not s.send(encode(frames[1:])):
+            if s is not None:
+                self._drop(route)
+            raise zmq.ZMQError(zmq.EHOSTUNREACH, "the actor's Unix connection is closed")
+        if s.out and route not in self._writing:     # the rest goes when the socket has room
+            self._poller.register(s.sock.fileno(), zmq.POLLIN | zmq.POLLOUT)
+            self._writing.add(route)
+
+    def close(self, linger: int = 0) -> None:
+        for route in list(self.streams):
+            self._drop(route)
+        self.listener.close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        self.router.close(linger=linger)
+
+    # -------------------------------------------------------------- connections
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            _configure(conn)
+            self._next += 1
+            self.accepted += 1
+            route = Route(ROUTE_PREFIX + str(self._next).encode())
+            self.streams[route] = _Stream(conn, self.max_bytes)
+            self.by_fd[conn.fileno()] = route
+            self._poller.register(conn.fileno(), zmq.POLLIN)
+
+    def _collect(self, route: bytes, s: _Stream) -> None:
+        try:
+            while (msg := s.message()) is not None:
+                self.ready.append([route, *msg])
+        except FramingError as e:
+            self.on_broken(route, str(e))
+            s.closed = True
+
+    def _drop(self, route: bytes) -> None:
+        s = self.streams.pop(route, None)
+        self._writing.discard(route)
+        if s is not None:
+            fd = s.sock.fileno()
+            self.by_fd.pop(fd, None)
+            try:
+                self._poller.unregister(fd)
+            except KeyError:
+                pass
+            s.close()
+
+
+class UnixDealer:
+    """An actor's side: one connection to its server's Unix socket, read and written as a ZeroMQ
+    DEALER is by :class:`~actors.inference.RemotePolicy` (``send_multipart``, ``poll``,
+    ``recv_multipart``, ``close``). `broken` is set when the server has gone (it is then reconnected)."""
+
+    def __init__(self, path: Path, max_bytes: int = 1 << 30):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            sock.close()
+            raise
+        _configure(sock)
+        self.stream = _Stream(sock, max_bytes)
+        self._ready: list[list] = []
+        self._fd = sock.fileno()
+        self._io = select.poll()
+        self._io.register(self._fd, select.POLLIN)
+
+    @property
+    def broken(self) -> bool:
+        return self.stream.closed
+
+    def send_multipart(self, frames: list, flags: int = 0) -> None:
+        """Queue a request; what the socket does not take at once goes out in :meth:`poll`."""
+        if not self.stream.send(encode(frames)):
+            raise zmq.ZMQError(zmq.ENOTCONN, "the inference server's Unix connection is closed")
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        """Whether a whole reply is here, waiting up to `timeout_ms` for one (and writing the rest
+        of a request the socket could not take at once)."""
+        if self._ready:
+            return True
+        self._take()
+        deadline = time.monotonic() + max(0, timeout_ms) / 1000
+        while not self._ready and not self.stream.closed:
+            writing = bool(self.stream.out)
+            self._io.modify(self._fd, select.POLLIN | (select.POLLOUT if writing else 0))
+            events = self._io.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            for _, ev in events:
+                if ev & select.POLLOUT:
+                    self.stream.flush()
+                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    self.stream.read()
+                    self._take()
+            if not events or time.monotonic() >= deadline:
+                break
+        return bool(self._ready)
+
+    def _take(self) -> None:
+        try:
+            while (msg := self.stream.message()) is not None:
+                self._ready.append(msg)
+        except FramingError:
+            self.stream.closed = True
+
+    def recv_multipart(self, copy: bool = False) -> list:
+        if not self._ready and not self.poll(0):
+            raise zmq.Again("no whole reply yet")
+        return self._ready.pop(0)
+
+    def close(self, linger: int = 0) -> None:
+        self.stream.close()

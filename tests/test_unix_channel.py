@@ -1,0 +1,180 @@
+"""actors.server_transport "unix": an inference server's actors on its host reach it over a Unix
+stream socket (actors/unix_channel.py). Messages arrive whole and in order, whatever their size;
+a peer that breaks the framing is dropped and counted, never the server; a reply to a gone actor is
+undeliverable; an actor whose connection broke reconnects and sends its requests again; and a server
+reached over it acts exactly as over ZeroMQ."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from actors.unix_channel import MAGIC, ServerChannels, UnixDealer, encode, socket_path
+from shared import keys
+
+
+@pytest.fixture
+def channels(tmp_path):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    broken = []
+    ch = ServerChannels(router, socket_path(tmp_path, 0), max_bytes=64 << 20,
+                        on_broken=lambda route, why: broken.append((route, why)))
+    ch.broken_log = broken
+    yield ch
+    ch.close()
+    ctx.term()
+
+
+def _serve_one(ch: ServerChannels, timeout_s: float = 10.0, *writing: UnixDealer) -> list:
+    """The next message at the server (the `writing` actors write the rest of theirs meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for d in writing:
+            d.poll(0)
+        if ch.poll(20):
+            return ch.recv_multipart()
+    raise AssertionError("no message reached the server")
+
+
+def _reply_of(dealer: UnixDealer, timeout_s: float = 5.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if dealer.poll(50):
+            return dealer.recv_multipart()
+    raise AssertionError("no reply reached the actor")
+
+
+def test_the_socket_lives_in_a_private_directory_with_a_short_path(tmp_path):
+    deep = tmp_path / ("x" * 200)
+    path = socket_path(deep, 3)
+    assert len(str(path)) < 100 and path.name == "server_3.sock"
+    assert socket_path(deep, 3) == path and socket_path(tmp_path, 3) != path
+
+
+def test_messages_arrive_whole_and_in_order_small_and_larger_than_the_socket_buffer(channels):
+    assert oct(os.stat(channels.path.parent).st_mode & 0o777) == "0o700"
+    dealer = UnixDealer(channels.path)
+    try:
+        big = os.urandom(24 << 20)          # larger than the socket buffers: written in many pieces
+        sent = [[b"head-1", b"a" * 10], [b"head-2", big, b""], [b"head-3"]]
+        for frames in sent:
+            dealer.send_multipart(frames)
+        got = [_serve_one(channels, 10.0, dealer) for _ in sent]
+        routes = {bytes(g[0]) for g in got}
+        assert len(routes) == 1 and next(iter(routes)).startswith(b"unix:")
+        assert [[bytes(f) for f in g[1:]] for g in got] == sent
+        for g in got:                        # replies go back on the connection the route names
+            channels.send_multipart([g[0], b"re:" + bytes(g[1]), big[:1 << 20]])
+        replies = [_reply_of(dealer) for _ in got]
+        assert [bytes(r[0]) for r in replies] == [b"re:head-1", b"re:head-2", b"re:head-3"]
+        assert all(bytes(r[1]) == big[:1 << 20] for r in replies)
+        assert channels.accepted == 1
+    finally:
+        dealer.close()
+
+
+def test_a_broken_stream_is_dropped_and_counted_and_the_others_are_served(channels):
+    good = UnixDealer(channels.path)
+    bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bad.connect(str(channels.path))
+    try:
+        bad.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        good.send_multipart([b"still served"])
+        got = _serve_one(channels)
+        assert bytes(got[1]) == b"still served"
+        deadline = time.monotonic() + 5
+        while not channels.broken_log and time.monotonic() < deadline:
+            channels.poll(20)
+        assert len(channels.broken_log) == 1 and "not a Tandem stream" in channels.broken_log[0][1]
+        assert len(channels.streams) == 1       # the bad peer is gone, the good one stays
+        # a message over the limit is refused before its body is read
+        over = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        over.connect(str(channels.path))
+        over.sendall(b"".join(bytes(b) for b in encode([b""]))[:8] + (1 << 40).to_bytes(8, "little"))
+        deadline = time.monotonic() + 5
+        while len(channels.broken_log) < 2 and time.monotonic() < deadline:
+            channels.poll(20)
+        assert "over the" in channels.broken_log[1][1]
+        over.close()
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_a_reply_to_a_gone_actor_is_undeliverable_and_a_broken_dealer_says_so(channels):
+    dealer = UnixDealer(channels.path)
+    dealer.send_multipart([b"x"])
+    route = _serve_one(channels)[0]
+    dealer.close()
+    with pytest.raises(zmq.ZMQError):
+        for _ in range(50):                  # the close is seen at once or at the next poll
+            channels.poll(10)
+            channels.send_multipart([route, b"late"])
+    other = UnixDealer(channels.path)
+    other.send_multipart([b"y"])
+    _serve_one(channels)
+    channels.close()                         # the server goes: the actor's side sees its end
+    deadline = time.monotonic() + 5
+    while not other.broken and time.monotonic() < deadline:
+        other.poll(20)
+    assert other.broken
+    with pytest.raises(zmq.ZMQError):
+        other.send_multipart([b"z"])
+    other.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=6))
+def test_random_bytes_on_the_socket_never_stop_the_server(channels, chunks):
+    """Whatever a peer writes, the server keeps serving the well-behaved actor; a stream that is not
+    ours ends in on_broken (counted as malformed by the server), never in an exception here."""
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.connect(str(channels.path))
+    good = UnixDealer(channels.path)
+    try:
+        for c in chunks:
+            try:
+                peer.sendall(c)
+            except OSError:
+                break
+        good.send_multipart([MAGIC, b"ok"])
+        deadline = time.monotonic() + 5
+        seen = None
+        while seen is None and time.monotonic() < deadline:
+            if channels.poll(20):
+                msg = channels.recv_multipart()
+                if [bytes(f) for f in msg[1:]] == [MAGIC, b"ok"]:
+                    seen = msg
+        assert seen is not None
+    finally:
+        peer.close()
+        good.close()
+        while channels.poll(20):             # what the peer's bytes made of whole messages
+            channels.recv_multipart()
+
+
+def test_an_actor_whose_unix_connection_broke_reconnects_and_sends_its_request_again(tmp_path):
+    """(That a server over the Unix socket acts exactly as over ZeroMQ: tests/test_inference_server.py.)
+    The connection breaks with a request to send: the actor reconnects and sends it on the new one."""
+    from tests.test_inference_server import Served, _obs
+    served = Served(tmp_path, unix=True)
+    try:
+        served.weights.publish(served.learner, 0)
+        served.start()
+        remote = served.remote(0)
+        assert int(remote(_obs(4, seed=1))[keys.POLICY_VERSION][0]) == 0
+        assert isinstance(remote.sock, UnixDealer)
+        remote.sock.stream.sock.shutdown(socket.SHUT_RDWR)   # the connection breaks
+        out = remote(_obs(4, seed=2))
+        assert int(out[keys.POLICY_VERSION][0]) == 0 and served.sock.accepted == 2
+        assert isinstance(remote.sock, UnixDealer) and not remote.sock.broken
+    finally:
+        served.close()
