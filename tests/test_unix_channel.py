@@ -178,3 +178,20 @@ def test_an_actor_whose_unix_connection_broke_reconnects_and_sends_its_request_a
         assert isinstance(remote.sock, UnixDealer) and not remote.sock.broken
     finally:
         served.close()
+
+
+def test_a_zeromq_peer_that_names_itself_as_a_unix_connection_gets_nothing(channels):
+    """A ROUTER routes replies by the id a peer chose: one choosing a Unix connection's id would have
+    its replies sent down that connection. Such a message reaches the server without its body."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"unix:1")
+    dealer.connect(channels.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        dealer.send_multipart([b"header", b"body"])
+        got = _serve_one(channels)
+        assert [bytes(getattr(f, "bytes", f)) for f in got] == [b"unix:1"]
+    finally:
+        dealer.close()
+        ctx.term()
