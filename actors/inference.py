@@ -21,7 +21,9 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   its last rollout's; under ``lag_policy: pace`` the newest the learner has announced, as a local
   actor loads it before a rollout, unless a study knob holds weights back (otherwise the server's
   load delay added a version of lag, past pace's bound). The server holds that request until it has
-  such a version, or any version of another life (a resumed learner's);
+  such a version, or any version of another life (a resumed learner's); a paced request names the
+  life its credit came from (``same_life``) and is held for that life's weights, for at most
+  ``SAME_LIFE_WAIT_S`` (after a learner restart, a rollout acted with the old life's is dropped);
 - requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
   and counted with its sender in the log, and the queue of requests waiting for a batch is bounded
   (``actors.server_queue``); CURVE applies to its socket where the run uses it;
@@ -62,6 +64,10 @@ from shared.files import write_json_atomic
 from shared.policies import ids_out_of_bounds, observation_bounds
 from shared.rollout import MAX_ABS_VALUE, rollout_template
 from shared.transport import RESEND_AFTER_S
+
+# A request that names its learner life (lag_policy pace after a learner restart) waits this long at
+# most for that life's weights; the server asks the learner for them after RESEND_AFTER_S.
+SAME_LIFE_WAIT_S = 2 * RESEND_AFTER_S
 
 log = logging.getLogger("tandem.inference")
 
@@ -132,6 +138,7 @@ class Request:
     n: int
     min_version: int = -1
     incarnation: str | None = None   # the learner life of min_version (versions of two lives do not compare)
+    same_life: bool = False          # act only with weights of that life (for at most SAME_LIFE_WAIT_S)
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -175,8 +182,13 @@ class RequestChecker:
         if incarnation is not None and not (isinstance(incarnation, str) and len(incarnation) <= 128):
             raise wire.WireError(f"'incarnation' must be a string of at most 128 characters, got "
                                  f"{str(incarnation)[:40]!r}")
+        same_life = meta.get("same_life", False)
+        if not isinstance(same_life, bool):
+            raise wire.WireError(f"'same_life' must be true or false, got {str(same_life)[:40]!r}")
         try:
-            return self._check_body(route, actor, rid, kind, min_version, incarnation, batch, leaves)
+            req = self._check_body(route, actor, rid, kind, min_version, incarnation, batch, leaves)
+            req.same_life = same_life and incarnation is not None
+            return req
         except wire.WireError as e:
             e.rid = rid      # one of our actors' requests: the server tells it why
             raise
@@ -320,6 +332,11 @@ class InferenceServer:
         if self.loader.torn or self.loader.version < 0:
             return False
         other_life = r.incarnation is not None and r.incarnation != self.loader.incarnation
+        if other_life and r.same_life:
+            # a paced actor names the life its credit came from: after a learner restart, the new one,
+            # whose weights are on their way (acted with the old life's, its rollout would be dropped).
+            # Held for them, but not for ever: a life that never comes here is no reason to stall.
+            return time.perf_counter() - r.arrived >= SAME_LIFE_WAIT_S
         return other_life or self.loader.version >= r.min_version
 
     def _receive(self, timeout_s: float) -> None:
@@ -626,6 +643,8 @@ class RemotePolicy:
             incarnation = self.min_incarnation or self.incarnation   # the life min_version counts in
             if incarnation is not None:
                 meta["incarnation"] = incarnation
+            if self.min_incarnation is not None:   # the learner's life now: wait for its weights
+                meta["same_life"] = True
         frames = wire.encode_leaves([td.batch_size[0]], leaves, **meta)   # the codec copies device tensors to the CPU
         self._pending[rid] = _Pending(kind, td.batch_size[0], frames, time.monotonic() + self.timeout_s)
         self._send_pending()

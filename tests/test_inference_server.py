@@ -583,6 +583,8 @@ def _valid_frames(actor: int = 0, n: int = 4) -> tuple[TensorDict, dict]:
     (TensorDict({keys.OBS: torch.full((4, 3), float("nan"))}, [4]), {"kind": "act", "actor": 0, "id": 1}, "NaN"),
     (TensorDict({keys.OBS: torch.full((4, 3), 3e38)}, [4]), {"kind": "act", "actor": 0, "id": 1}, "beyond"),
     (_obs(4, 0), {"kind": "act", "actor": 0, "id": 1, "min_version": 2, "incarnation": 7}, "'incarnation'"),
+    (_obs(4, 0), {"kind": "act", "actor": 0, "id": 1, "min_version": 2, "incarnation": "L", "same_life": 1},
+     "'same_life'"),
     (TensorDict({keys.OBS: torch.zeros(4, 3), "x": torch.zeros(4)}, [4]), {"kind": "act", "actor": 0, "id": 1},
      "carries only"),
 ])
@@ -915,3 +917,32 @@ def test_a_control_only_subscriber_gets_stops_and_credits_but_never_the_weights(
             s.close()
         pub.close()
         ctx.term()
+
+
+def test_a_paced_request_naming_a_new_learner_life_waits_for_that_lifes_weights(tmp_path, monkeypatch):
+    """After a learner restart a paced actor's credit names the new life. A server still holding the
+    old life's weights used to serve it at once ('another life' meets any version), and the learner
+    dropped the rollout it made as acted by the old life. It is now held for the new life's weights,
+    and for at most SAME_LIFE_WAIT_S when they never come."""
+    import actors.inference as inference
+    monkeypatch.setattr(inference, "SAME_LIFE_WAIT_S", 1.0)
+    served = Served(tmp_path)
+    try:
+        served.weights.publish(served.learner, 7, incarnation="OLD")
+        served.start()
+        remote = served.remote(0)
+        assert int(remote(_obs(4, seed=1))[keys.POLICY_VERSION][0]) == 7 and remote.incarnation == "OLD"
+        remote.min_version, remote.min_incarnation = 2, "NEW"       # the restarted learner's credit: v2 of NEW
+        rid = remote.submit("act", _obs(4, seed=2))
+        time.sleep(0.3)
+        assert served.server.waiting, "served with the old life's weights at once"
+        served.weights.publish(served.learner, 2, incarnation="NEW")
+        remote.result(rid)
+        assert remote.version == 2 and remote.incarnation == "NEW"
+        # a life that never comes here: served with what the server has, after SAME_LIFE_WAIT_S
+        remote.min_version, remote.min_incarnation = 0, "GONE"
+        t0 = time.monotonic()
+        remote(_obs(4, seed=3))
+        assert 0.9 < time.monotonic() - t0 < 5.0 and remote.version == 2 and remote.incarnation == "NEW"
+    finally:
+        served.close()
