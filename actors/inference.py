@@ -269,6 +269,7 @@ class InferenceServer:
         self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0,
                        "undeliverable": 0, "failed": 0, "expired": 0, "asked": 0}
         self._next_ask = 0.0    # asks the learner again for weights a request waits for (_maybe_ask)
+        self.forward_total_s = 0.0   # serving batches, over this incarnation's life
         self.expire_s = expire_s
         self._next_expiry = time.monotonic() + 1.0
         self._window = {"batches": 0, "envs": 0, "requests": 0, "forward_s": 0.0, "max_envs": 0}
@@ -447,6 +448,7 @@ class InferenceServer:
         w["max_envs"] = max(w["max_envs"], envs)
         took = time.perf_counter() - t0
         w["forward_s"] += took
+        self.forward_total_s += took
         self.forward_ema_s += 0.1 * (took - self.forward_ema_s)
 
     def _forward(self, kind: str, reqs: list[Request]) -> dict[str, torch.Tensor]:
@@ -875,9 +877,11 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     finally:
         b = max(1, server.counts["batches"])
         c = server.counts
-        log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each); requests "
+        log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each, %.1f ms "
+                 "per batch); requests "
                  "dropped: %d malformed, %d busy, %d undeliverable, %d failed, %d expired; asked the learner again "
-                 "for weights %d times", server_id, c["batches"], c["envs"] / b, c["replies"] / b, c["malformed"],
+                 "for weights %d times", server_id, c["batches"], c["envs"] / b, c["replies"] / b,
+                 1000 * server.forward_total_s / b, c["malformed"],
                  c["busy"], c["undeliverable"], c["failed"], c["expired"], c["asked"])
         if isinstance(sock, ServerChannels):
             log.info("inference server %d: %d actor connections over its Unix socket", server_id, sock.accepted)

@@ -171,11 +171,14 @@ def server_batches(run_dir: Path) -> dict:
     peak = re.findall(r"peak device memory (\d+) MiB allocated, (\d+) MiB reserved", text)
     if peak:
         out["server_allocated_mib"], out["server_reserved_mib"] = float(peak[-1][0]), float(peak[-1][1])
-    m = re.findall(r"stopping after (\d+) batches \(([\d.]+) envs(?: from ([\d.]+) requests)? each\)", text)
+    m = re.findall(r"stopping after (\d+) batches \(([\d.]+) envs(?: from ([\d.]+) requests)? each"
+                   r"(?:, ([\d.]+) ms per batch)?\)", text)
     if m:   # the server's account of its whole life (one incarnation's), when it logs one
         out["batches"], out["batch_envs"] = int(m[-1][0]), float(m[-1][1])
         if m[-1][2]:
             out["batch_requests"] = float(m[-1][2])
+        if m[-1][3]:   # over its whole life, where the progress lines cover only their windows (or none)
+            out["forward_ms"] = float(m[-1][3])
     return out
 
 

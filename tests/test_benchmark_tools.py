@@ -288,6 +288,12 @@ def test_server_batches_reads_the_servers_own_account_from_its_log(tmp_path):
         "inference server 0: v2 | 16 batches, 30.0 envs (max 32 of 32) from 8.0 requests each, 90.7 ms per batch, "
         "busy 60%, waits up to 5.0 ms | dropped 0 malformed, 0 busy, 0 failed\n")
     assert inference_server.server_batches(tmp_path) == {"batch_requests": 7.0, "forward_ms": pytest.approx(100.5)}
+    # a run that ends before its first progress line: the closing line's time per batch, over its whole life
+    (tmp_path / "logs" / "inference_0.log").write_text(
+        "inference server 0: stopping after 9 batches (30.7 envs from 7.69 requests each, 21.4 ms per batch); "
+        "requests dropped: 0 malformed\n")
+    assert inference_server.server_batches(tmp_path) == {"batches": 9, "batch_envs": 30.7, "batch_requests": 7.69,
+                                                         "forward_ms": 21.4}
 
 
 def test_the_acting_processes_memory_is_read_per_process_and_by_role(tmp_path, monkeypatch):
