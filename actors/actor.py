@@ -174,17 +174,19 @@ class Actor:
         self.stop_event.set()
         return False
 
-    def _asker(self):
+    def _asker(self, weights: bool):
         """For a wait on the learner: a function that, every :data:`RESEND_AFTER_S` of the wait, asks
-        the learner again for its newest weights (if newer than ours) and credits, in case ZeroMQ
-        dropped the message we wait for at a high-water mark (it does so without a word)."""
+        the learner again for its newest credits and (`weights`) its newest weights if newer than the
+        newest we have received, in case ZeroMQ dropped the message we wait for at a high-water mark
+        (it does so without a word). A credit wait asks for credits alone: a lost weights message
+        there costs a version, never a stall, and weights re-sent go to every actor."""
         ask = getattr(self.weights, "ask", None)     # in-process sources (tests) lose nothing
         next_at = time.monotonic() + RESEND_AFTER_S
 
         def maybe_ask() -> None:
             nonlocal next_at
             if ask is not None and time.monotonic() >= next_at:
-                ask(self.version, self.incarnation)
+                ask(*self.loader.newest_received(), weights=weights)
                 next_at = time.monotonic() + RESEND_AFTER_S
         return maybe_ask
 
@@ -193,7 +195,7 @@ class Actor:
         incarnation = self.incarnation
         self._load_due()
         deadline = time.monotonic() + self.learner_timeout_s
-        ask = self._asker()
+        ask = self._asker(weights=True)
         # A restarted learner's weights end the wait whatever their version (see _load_due).
         while self.version <= newer_than and (incarnation is None or self.incarnation == incarnation):
             if self.stop_event.is_set() or not self._poll(timeout_ms=100):
@@ -284,7 +286,7 @@ class Actor:
         """lag_policy "pace": wait while `max_inflight` of our rollouts are still unconsumed at the
         learner, instead of producing data that would be too old by the time it is trained on."""
         deadline = time.monotonic() + self.learner_timeout_s
-        ask = self._asker()
+        ask = self._asker(weights=False)
         while self._inflight() >= self.max_inflight:
             if self.stop_event.is_set() or not self._poll(timeout_ms=50):
                 return False

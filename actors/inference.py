@@ -319,7 +319,7 @@ class InferenceServer:
         if now < self._next_ask or not hasattr(self.weights, "ask"):
             return
         if any(now - r.arrived >= RESEND_AFTER_S and not self._servable(r) for r in self.waiting):
-            self.weights.ask(self.loader.version, self.loader.incarnation)
+            self.weights.ask(*self.loader.newest_received())
             self.counts["asked"] += 1
             self._next_ask = now + RESEND_AFTER_S
 
@@ -336,7 +336,11 @@ class InferenceServer:
         if other_life and r.same_life:
             # a paced actor names the life its credit came from: after a learner restart, the new one,
             # whose weights are on their way (acted with the old life's, its rollout would be dropped).
-            # Held for them, but not for ever: a life that never comes here is no reason to stall.
+            # A life the learner has moved on from (its credit reached the actor before the new one's)
+            # is served at once; a newer one is waited for, but not for ever.
+            lives = getattr(self.weights, "lives", None) or []
+            if r.incarnation in lives and r.incarnation != lives[-1]:
+                return True
             return time.perf_counter() - r.arrived >= SAME_LIFE_WAIT_S
         return other_life or self.loader.version >= r.min_version
 
@@ -685,7 +689,7 @@ class RemotePolicy:
         """(Re)connect to a (re)started server when its endpoint file says so, and send every
         request in flight that this incarnation of the server has not had yet."""
         now = time.monotonic()
-        if now >= self._next_check or self.sock is None or getattr(self.sock, "broken", False):
+        if now >= self._next_check or self.sock is None:   # a broken Unix connection too: at most once a check
             self._next_check = now + ENDPOINT_CHECK_S
             info = read_endpoint(self.path)
             if info is not None and (self.server is None or info["incarnation"] != self.server["incarnation"]
@@ -700,9 +704,10 @@ class RemotePolicy:
                     p.sent_to = self.server["incarnation"]
                 except zmq.Again:
                     return
-                except zmq.ZMQError:     # the Unix connection broke: reconnected at the next look
-                    self._next_check = 0.0
-                    return
+                except zmq.ZMQError:
+                    if not getattr(self.sock, "broken", False):
+                        raise
+                    return               # the Unix connection broke: reconnected at the next check
 
     def _take_reply(self, reply: list) -> None:
         """Check a reply and keep it for its request; a reply to no request in flight (sent before a
@@ -865,9 +870,14 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
                              progress=progress_path(run_dir, server_id))
     unix = None
     if a.server_transport == "unix":   # the actors on this host: a Unix socket (actors/unix_channel.py)
-        unix = socket_path(run_dir, server_id)
-        sock = server.sock = ServerChannels(sock, unix, server.checker.max_bytes,
-                                            on_broken=lambda route, why: server._refuse("malformed", route, why))
+        try:
+            channels = ServerChannels(sock, socket_path(run_dir, server_id), server.checker.max_bytes,
+                                      on_broken=lambda route, why: server._refuse("malformed", route, why))
+            sock = server.sock = channels
+            unix = channels.path
+        except OSError as e:   # a directory not ours, a path too long, ...: every actor on ZeroMQ
+            log.warning("inference server %d: no Unix socket at %s (%s); the actors use %s", server_id,
+                        socket_path(run_dir, server_id), e, endpoint)
     incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest, unix)
     log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
              "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,

@@ -19,9 +19,11 @@ waits in the connection's own queue (bounded), so a slow actor never stalls the 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import select
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -29,12 +31,16 @@ from pathlib import Path
 
 import zmq
 
+from shared.wire import MAX_TENSORS
+
+log = logging.getLogger("tandem.unix_channel")
+
 MAGIC = b"TDM1"
-MAX_FRAMES = 64
+MAX_FRAMES = MAX_TENSORS + 1     # a header and its tensors (shared/wire.py)
 _COUNT = struct.Struct("<4sI")
 _LEN = struct.Struct("<Q")
-SOCKET_BUFFER = 4 << 20          # bytes: a VLA request of several images fits without a partial write
-MAX_QUEUED_OUT = 64 << 20        # bytes queued for one slow peer; past this it is dropped
+SOCKET_BUFFER = 4 << 20          # bytes asked for (the kernel caps it at net.core.[rw]mem_max)
+MAX_QUEUED_OUT = 64 << 20        # the server: bytes of replies queued for one slow actor; past this it is dropped
 
 
 class FramingError(Exception):
@@ -58,8 +64,8 @@ def encode(frames: list) -> list:
 class _Stream:
     """One connection: its bytes in (assembled into messages) and out (queued when the socket is full)."""
 
-    def __init__(self, sock: socket.socket, max_bytes: int):
-        self.sock, self.max_bytes = sock, max_bytes
+    def __init__(self, sock: socket.socket, max_bytes: int, max_out: int | None = MAX_QUEUED_OUT):
+        self.sock, self.max_bytes, self.max_out = sock, max_bytes, max_out
         self.inbuf = bytearray()
         self.out = bytearray()
         self.closed = False
@@ -100,7 +106,7 @@ class _Stream:
             raise FramingError(f"a message of {total} bytes, over the {self.max_bytes}-byte limit")
         if len(self.inbuf) < head + total:
             return None
-        body = bytearray(self.inbuf[head:head + total])   # its own memory: the tensors alias it
+        body = self.inbuf[head:head + total]   # a copy: its own memory, which the tensors alias
         del self.inbuf[:head + total]
         out, view, at = [], memoryview(body), 0
         for k in lengths:
@@ -126,7 +132,7 @@ class _Stream:
             rest = b"".join(bytes(b) for b in buffers)[sent:]
         else:
             rest = b"".join(bytes(b) for b in buffers)
-        if len(self.out) + len(rest) > MAX_QUEUED_OUT:
+        if self.max_out is not None and len(self.out) + len(rest) > self.max_out:
             self.closed = True
             return False
         self.out += rest
@@ -161,6 +167,17 @@ def _configure(sock: socket.socket) -> None:
             pass
 
 
+def private_dir(path: Path) -> None:
+    """Make `path` a directory that only this user can enter, or raise OSError: it must be ours, a
+    real directory (not a link someone else left at a predictable name) and mode 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of this user's")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
 class Route(bytes):
     """A Unix connection's routing id, read as a ZeroMQ frame is (``.bytes``)."""
 
@@ -187,14 +204,17 @@ class ServerChannels:
     def __init__(self, router: zmq.Socket, path: Path, max_bytes: int, on_broken=None):
         self.router, self.path, self.max_bytes = router, Path(path), max_bytes
         self.on_broken = on_broken or (lambda route, why: None)
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path.parent, 0o700)
+        private_dir(self.path.parent)
         try:
             self.path.unlink()            # a dead incarnation's socket file
         except FileNotFoundError:
             pass
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(self.path))
+        try:
+            self.listener.bind(str(self.path))
+        except OSError:
+            self.listener.close()
+            raise
         self.listener.listen(256)
         self.listener.setblocking(False)
         self.streams: dict[bytes, _Stream] = {}
@@ -206,11 +226,15 @@ class ServerChannels:
         self._poller.register(self.listener.fileno(), zmq.POLLIN)
         self._writing: set[bytes] = set()  # routes registered for POLLOUT (a reply queued)
         self.accepted = 0                  # connections taken, over the server's life
+        self._accept_paused_until = 0.0    # out of file descriptors: the listener rests a second
 
     # -------------------------------------------------------------- the ROUTER's interface
     def poll(self, timeout_ms: int = 0) -> bool:
         if self.ready:
             return True
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._poller.register(self.listener.fileno(), zmq.POLLIN)
+            self._accept_paused_until = 0.0
         for route in [r for r in self._writing if not self.streams[r].out]:
             self._poller.register(self.streams[route].sock.fileno(), zmq.POLLIN)
             self._writing.discard(route)
@@ -229,6 +253,8 @@ class ServerChannels:
             if ev & zmq.POLLIN:
                 s.read()
                 self._collect(route, s)
+            if ev & zmq.POLLERR:
+                s.closed = True
             if s.closed:
                 self._drop(route)
         return bool(self.ready) or router_ready
@@ -262,6 +288,7 @@ class ServerChannels:
         self.listener.close()
         try:
             self.path.unlink()
+            self.path.parent.rmdir()        # when no other server of the run is in it
         except OSError:
             pass
         self.router.close(linger=linger)
@@ -273,7 +300,11 @@ class ServerChannels:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as e:   # EMFILE and the like: the listener stays readable; do not spin on it
+                log.warning("inference server: cannot take a connection on %s (%s); trying again in 1 s",
+                            self.path, e)
+                self._poller.unregister(self.listener.fileno())
+                self._accept_paused_until = time.monotonic() + 1.0
                 return
             _configure(conn)
             self._next += 1
@@ -311,13 +342,14 @@ class UnixDealer:
 
     def __init__(self, path: Path, max_bytes: int = 1 << 30):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(2.0)
         try:
             sock.connect(str(path))
         except OSError:
             sock.close()
             raise
         _configure(sock)
-        self.stream = _Stream(sock, max_bytes)
+        self.stream = _Stream(sock, max_bytes, max_out=None)   # its own requests, a few in flight at most
         self._ready: list[list] = []
         self._fd = sock.fileno()
         self._io = select.poll()
@@ -338,6 +370,9 @@ class UnixDealer:
         if self._ready:
             return True
         self._take()
+        if not self._ready and self.stream.closed:   # reconnected at the caller's next look; wait as asked
+            time.sleep(max(0, timeout_ms) / 1000)
+            return False
         deadline = time.monotonic() + max(0, timeout_ms) / 1000
         while not self._ready and not self.stream.closed:
             writing = bool(self.stream.out)

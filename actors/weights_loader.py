@@ -58,6 +58,17 @@ class WeightsLoader:
         """Queue a weights message (``(td, meta)``) from the weights socket."""
         self.gate.offer(time.time(), msg)
 
+    def newest_received(self) -> tuple[int, str | None]:
+        """(version, incarnation) of the newest weights received: queued (a study knob's gate holds
+        them back on purpose), else the loaded ones. What to tell the learner we have when asking it
+        again for newer weights (``shared.transport.WeightsSubscriber.ask``)."""
+        if self.gate.queue:
+            meta = self.gate.queue[-1][1][1]
+            version, incarnation = meta.get("version"), meta.get("incarnation")
+            if isinstance(version, int) and not isinstance(version, bool):
+                return version, incarnation if isinstance(incarnation, str) else None
+        return self.version, self.incarnation
+
     def load_due(self) -> Outcome:
         """Load the newest queued weights that are due (if newer than ours, or from a restarted
         learner). Returns "loaded", "new_learner" (loaded, from another learner life), "refused_base"

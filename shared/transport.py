@@ -83,7 +83,7 @@ WEIGHTS_TOPIC, CONTROL_TOPIC = b"w", b"c"
 # while they were on the way is not a loss).
 ASK_WEIGHTS, ASK_CREDIT = b"w?", b"c?"
 RESEND_AFTER_S = 5.0
-_ASK = re.compile(rb"(-1|[0-9]{1,18})(?: ([!-~]{1,64}))?")
+_ASK = re.compile(rb"(-1|0|[1-9][0-9]{0,17})(?: ([!-~]{1,64}))?")
 
 
 def parse_ask(payload: bytes) -> tuple[int, str | None] | None:
@@ -119,6 +119,7 @@ class WeightsPublisher:
         self._last_id: tuple[Any, Any] = (None, None)   # (version, incarnation) of _last
         self._last_credit: list | None = None
         self._resent_at = self._published_at = float("-inf")
+        self._asked_weights = self._asked_credit = False   # asks not answered yet (answered at most every RESEND_AFTER_S)
         self.subscribers_seen = 0
         self.control_only_seen = False
         # asks (ASK_WEIGHTS, ASK_CREDIT) received, malformed ones among them, and weights re-sent for them
@@ -128,6 +129,7 @@ class WeightsPublisher:
         self._last = [WEIGHTS_TOPIC, *wire.encode(td, **meta)]
         self._last_id = (meta.get("version"), meta.get("incarnation"))
         self._published_at = time.monotonic()
+        self._asked_weights = False       # these are the newest: what was asked before is answered
         self.sock.send_multipart(self._last, copy=False)
         if "consumed" in meta:   # kept for control-only subscribers who join later, sent to those already here
             self._last_credit = self._control(kind="credit", consumed=meta["consumed"], version=meta.get("version"),
@@ -150,7 +152,7 @@ class WeightsPublisher:
         """Handle pending subscribe events: re-send the newest weights if a subscriber to them joined
         or asked for them holding an older version, and the newest credits if anyone joined or asked.
         Asks are answered at most every :data:`RESEND_AFTER_S`. Returns how many joined."""
-        joined, weights_joined, asked, weights_asked = 0, False, False, False
+        joined, weights_joined = 0, False
         while self.sock.poll(0):
             msg = self.sock.recv()
             if msg[:1] != b"\x01":              # an unsubscription
@@ -158,15 +160,15 @@ class WeightsPublisher:
             topic = msg[1:]
             if topic.startswith(ASK_CREDIT):
                 self.asks["asks"] += 1
-                asked = True
+                self._asked_credit = True
             elif topic.startswith(ASK_WEIGHTS):
                 self.asks["asks"] += 1
                 held = parse_ask(topic[len(ASK_WEIGHTS):])
                 if held is None:
                     self.asks["malformed"] += 1
                     continue
-                asked = True
-                weights_asked = weights_asked or self._older_than_last(*held)
+                self._asked_credit = True
+                self._asked_weights = self._asked_weights or self._older_than_last(*held)
             else:
                 joined += 1
                 if topic == CONTROL_TOPIC:
@@ -174,12 +176,14 @@ class WeightsPublisher:
                 else:                             # b"" (everything) or the weights topic
                     weights_joined = True
         now = time.monotonic()
-        due = asked and now - self._resent_at >= RESEND_AFTER_S
+        due = (self._asked_credit or self._asked_weights) and now - self._resent_at >= RESEND_AFTER_S
+        # weights published since the ask went out, or under RESEND_AFTER_S ago, answer it themselves
+        weights_asked = due and self._asked_weights and now - self._published_at >= RESEND_AFTER_S
         if due:
             self._resent_at = now
-        weights_asked = weights_asked and due and now - self._published_at >= RESEND_AFTER_S
+            self._asked_credit = self._asked_weights = False
         if (weights_joined or weights_asked) and self._last is not None:
-            self.sock.send_multipart(self._last, copy=False)
+            self.sock.send_multipart(self._last, copy=False)    # to every weights subscriber: XPUB cannot pick one
             self.asks["weights_resent"] += not weights_joined
         if (joined or due) and self._last_credit is not None:
             self.sock.send_multipart(self._last_credit)
@@ -213,6 +217,7 @@ class WeightsSubscriber:
         self.consumed_from: str | None = None   # the learner incarnation that counted `consumed`
         # (version, incarnation): the newest version the learner has announced, by weights or credit
         self.announced: tuple[int, str | None] | None = None
+        self.lives: list[str] = []   # the learner incarnations heard, oldest first (the last 16)
 
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None:
         """The newest weights (or stop) message that arrived (waiting up to `timeout_ms` for the
@@ -233,6 +238,8 @@ class WeightsSubscriber:
                 continue
             inc = meta.get("incarnation")
             inc = inc if isinstance(inc, str) else None
+            if inc is not None and (not self.lives or self.lives[-1] != inc):
+                self.lives = [x for x in self.lives if x != inc][-15:] + [inc]   # a new list: read from other threads
             if isinstance(meta.get("consumed"), list):
                 self.consumed, self.consumed_from = meta["consumed"], inc
             version = meta.get("version")
@@ -245,13 +252,14 @@ class WeightsSubscriber:
             latest = (td, meta)
         return latest
 
-    def ask(self, version: int, incarnation: str | None) -> None:
+    def ask(self, version: int, incarnation: str | None, weights: bool = True) -> None:
         """Ask the learner again for what it should have sent by now: its newest weights if they are
-        newer than (`version`, `incarnation`), the ones held here, and its newest credits (a control-only
-        subscriber asks for the credits alone). ZeroMQ drops a message past a high-water mark without a
-        word: this is how a subscriber that has waited long for a version or a credit gets one lost so.
-        The learner answers between its updates (see :data:`RESEND_AFTER_S`)."""
-        topic = ask_topic(version, incarnation) if self.weights else ASK_CREDIT
+        newer than (`version`, `incarnation`), the newest this subscriber has received, and its newest
+        credits (`weights` False, or a control-only subscriber: the credits alone). ZeroMQ drops a
+        message past a high-water mark without a word: this is how a subscriber that has waited long
+        for a version or a credit gets one lost so. The learner answers between its updates (see
+        :data:`RESEND_AFTER_S`); weights it re-sends go to every weights subscriber."""
+        topic = ask_topic(version, incarnation) if self.weights and weights else ASK_CREDIT
         self.sock.setsockopt(zmq.SUBSCRIBE, topic)     # matches no message: only the learner reads it
         self.sock.setsockopt(zmq.UNSUBSCRIBE, topic)
         self.asked += 1
@@ -281,7 +289,7 @@ class DrainingSubscriber:
         self._msg: tuple[TensorDictBase, dict] | None = None
         self._error: BaseException | None = None   # what ended the thread: raised to the holder
         self._closing = threading.Event()
-        self._ask: tuple[int, str | None] | None = None   # passed to the thread, which owns the socket
+        self._ask: tuple | None = None   # ((version, incarnation), kwargs) for the thread, which owns the socket
         self._thread = threading.Thread(target=self._run, name="weights-drain", daemon=True)
         self._thread.start()
 
@@ -291,7 +299,7 @@ class DrainingSubscriber:
                 with self._lock:
                     ask, self._ask = self._ask, None
                 if ask is not None:
-                    self.sub.ask(*ask)
+                    self.sub.ask(*ask[0], **ask[1])
                 msg = self.sub.newest(self.poll_ms)
                 if msg is None:
                     continue
@@ -316,10 +324,15 @@ class DrainingSubscriber:
                 self._msg = None
             return msg
 
-    def ask(self, version: int, incarnation: str | None) -> None:
+    def ask(self, version: int, incarnation: str | None, weights: bool = True) -> None:
         """:meth:`WeightsSubscriber.ask`, sent by the thread within one poll."""
         with self._lock:
-            self._ask = (version, incarnation)
+            self._ask = ((version, incarnation), {"weights": weights})
+
+    @property
+    def lives(self) -> list[str]:
+        """:attr:`WeightsSubscriber.lives` (read from the thread's subscriber)."""
+        return self.sub.lives
 
     def close(self) -> bool:
         """Stop the thread (within one poll). True when it has stopped: the socket is then the

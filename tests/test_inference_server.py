@@ -934,11 +934,21 @@ def test_a_paced_request_naming_a_new_learner_life_waits_for_that_lifes_weights(
         assert int(remote(_obs(4, seed=1))[keys.POLICY_VERSION][0]) == 7 and remote.incarnation == "OLD"
         remote.min_version, remote.min_incarnation = 2, "NEW"       # the restarted learner's credit: v2 of NEW
         rid = remote.submit("act", _obs(4, seed=2))
-        time.sleep(0.3)
-        assert served.server.waiting, "served with the old life's weights at once"
+        deadline = time.monotonic() + 5
+        while not served.server.waiting and rid not in remote._ready and time.monotonic() < deadline:
+            remote._send_pending()
+            time.sleep(0.01)
+        time.sleep(0.3)                                             # a few passes of the server's loop
+        assert served.server.waiting and not remote.sock.poll(0), "served with the old life's weights at once"
         served.weights.publish(served.learner, 2, incarnation="NEW")
+        served.weights.lives = ["OLD", "NEW"]                       # what its subscriber has heard, in order
         remote.result(rid)
         assert remote.version == 2 and remote.incarnation == "NEW"
+        # a credit of the old life that reached the actor after the server had the new one: served at once
+        remote.min_version, remote.min_incarnation = 8, "OLD"
+        t0 = time.monotonic()
+        remote(_obs(4, seed=4))
+        assert time.monotonic() - t0 < 0.9 and remote.version == 2 and remote.incarnation == "NEW"
         # a life that never comes here: served with what the server has, after SAME_LIFE_WAIT_S
         remote.min_version, remote.min_incarnation = 0, "GONE"
         t0 = time.monotonic()

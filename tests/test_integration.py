@@ -657,7 +657,8 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     log = (run_dir / "logs" / "inference_0.log").read_text()
     assert log.count("inference server 0 on cpu for actors [0, 1]") == 2, log      # two incarnations
     # the actors reached both over the Unix socket (actors.server_transport's default), reconnecting to the new one
-    assert re.search(r"inference server 0: [2-9]\d* actor connections over its Unix socket", log), log
+    connections = re.findall(r"inference server 0: (\d+) actor connections over its Unix socket", log)
+    assert connections and int(connections[-1]) >= 2, log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["env_steps"] >= 4096, summary
     events = read_jsonl(run_dir / "versions.jsonl")

@@ -195,3 +195,21 @@ def test_a_zeromq_peer_that_names_itself_as_a_unix_connection_gets_nothing(chann
     finally:
         dealer.close()
         ctx.term()
+
+
+def test_the_socket_directory_must_be_this_users_own_real_directory(tmp_path):
+    """Its name is predictable: a link or a file left there is refused (the server then keeps its
+    actors on ZeroMQ), and a directory of ours is made private."""
+    from actors.unix_channel import private_dir
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        private_dir(tmp_path / "link")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):
+        private_dir(tmp_path / "file")
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o755)
+    private_dir(ours)
+    assert oct(os.stat(ours).st_mode & 0o777) == "0o700"
