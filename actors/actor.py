@@ -40,7 +40,7 @@ log = logging.getLogger("tandem.actor")
 class WeightsSource(Protocol):
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None: ...
 
-    # optional: ask(version, incarnation), to have the learner re-send what a wait lacks (shared.transport)
+    # optional: ask(version, incarnation, weights=True): the learner re-sends what a wait lacks (shared.transport)
 
 
 class RolloutSink(Protocol):
