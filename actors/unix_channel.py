@@ -126,12 +126,11 @@ class _Stream:
             except OSError:
                 self.closed = True
                 return False
-            size = sum(len(b) for b in buffers)
-            if sent == size:
+            if sent == sum(len(b) for b in buffers):   # encode's views are bytes: len is their size
                 return True
-            rest = b"".join(bytes(b) for b in buffers)[sent:]
+            rest = memoryview(b"".join(buffers))[sent:]   # one copy of what is left, not two
         else:
-            rest = b"".join(bytes(b) for b in buffers)
+            rest = b"".join(buffers)
         if self.max_out is not None and len(self.out) + len(rest) > self.max_out:
             self.closed = True
             return False
