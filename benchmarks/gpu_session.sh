@@ -52,6 +52,11 @@
 #      the 8 local copies took most of the slices (docs/results/inference_server_h100.md); under MPS the
 #      server's small kernels may run beside the learner's. Skipped, saying why, where MPS cannot start
 #      or TANDEM_GPU_MPS=1 already runs the whole session under it (about 2.5 minutes)
+#  11e. inference-server-acting: step 11 with --no-updates: acting alone on the GPU. The learner keeps its
+#      copy there but never trains (lag_policy drop), so env steps/s is what the 8 local copies and the
+#      one server reach on the device without the learner's kernels beside them, as where the learner has
+#      a GPU of its own; under pace (step 11) both modes run at the learner's rate on a shared GPU
+#      (docs/results/inference_server_h100.md). Reuses step 11's prebuilt model (about 2.5 minutes)
 #  11c. server-a0-cpu: no GPU used: issue 47's done-when 2 at a = 0 on the lent machine's CPU cores
 #      (the 2-core VM has fewer cores than the run has processes): benchmarks/async_speedup.py --latency 0
 #      with four actors sharing one device (local copies taking turns), through a server, and each on its
@@ -240,6 +245,7 @@ server_bench() {
 }
 want inference-server && server_bench inference-server
 want inference-server-free && server_bench inference-server-free --set trainer.lag_policy=drop
+want inference-server-acting && server_bench inference-server-acting --no-updates
 if want inference-server-free-mps; then   # each run under a daemon of its own: launch/run_local.sh --mps
   if [[ "${TANDEM_GPU_MPS:-0}" == 1 ]]; then
     echo "=== [inference-server-free-mps] skipped: TANDEM_GPU_MPS=1 already runs every step under MPS"

@@ -3,8 +3,8 @@ per device, batched), on the same work, in one sitting.
 
     .venv/bin/python benchmarks/inference_server.py [--config configs/cartpole_ppo.json] [--actors 1,2,4,8]
         [--num-envs 4] [--latency 0.2] [--latency-per-env 0.0] [--steps 4096] [--buffer-size 16]
-        [--device cpu] [--modes local,server] [--server-splits 1] [--prebuild DIR] [--mps] [--json out.json]
-        [--set KEY=VALUE ...]
+        [--device cpu] [--modes local,server] [--server-splits 1] [--prebuild DIR] [--mps] [--no-updates]
+        [--json out.json] [--set KEY=VALUE ...]
 
 For every number of actors A in ``--actors`` and every mode, one ``launch/run_local.sh`` run in vla
 mode trains ``--steps`` env steps with A actors of ``--num-envs`` envs, one rollout of
@@ -33,6 +33,14 @@ learner shares the GPU) both modes run at the learner's pace and env steps/s mea
 ``--set trainer.lag_policy=drop`` lets the actors run free: env steps/s is then what acting alone
 reaches beside a busy learner, and the trained samples per second (what the learner kept) are
 printed beside it.
+
+``--no-updates``: acting alone. The learner keeps its copy of the policy on its device but never
+trains (an update would take more rollouts than the run collects: ``trainer.rollouts_per_update``
+and ``trainer.buffer_capacity`` are set past them, with ``lag_policy: drop``), so no learner
+kernels share the device and env steps/s is what acting reaches on it: where the learner runs on a
+device of its own, as on a node with several GPUs. On a single GPU with the learner beside the
+actors, the learner's rate bounds both modes under pace, and its kernels take the GPU's time slices
+(``docs/results/inference_server_h100.md``).
 
 ``--prebuild DIR``: a config whose VLA is built fresh from ``model_config`` (``model_path`` empty, as
 ``configs/vla_tokens_reach_0p5b_smoke.json``) makes every process initialise the whole model at
@@ -65,14 +73,19 @@ POLL_S = 0.2
 
 
 def overrides(args, actors: int, mode: str) -> list[str]:
+    per_update, capacity = actors, max(8, 2 * actors)
+    if args.no_updates:   # an update would need more rollouts than the run makes: the learner never trains
+        per_update = capacity = -(-args.steps // (args.num_envs * args.buffer_size)) + actors
     sets = list(args.sets) + [
         "trainer.buffer_type=vla", f"actors.num_actors={actors}", f"actors.num_envs={args.num_envs}",
         f"trainer.total_steps={args.steps}", f"trainer.buffer_size={args.buffer_size}",
-        f"trainer.rollouts_per_update={actors}", "trainer.eval_freq=0", "trainer.save_freq=0",
-        f"trainer.buffer_capacity={max(8, 2 * actors)}",
+        f"trainer.rollouts_per_update={per_update}", "trainer.eval_freq=0", "trainer.save_freq=0",
+        f"trainer.buffer_capacity={capacity}",
         f"algorithm.cfg.batch_size={min(256, actors * args.num_envs * args.buffer_size)}",
         f"actors.devices={json.dumps([args.device])}",
     ]
+    if args.no_updates:
+        sets.append("trainer.lag_policy=drop")   # under pace the actors would wait for updates that never come
     if args.env_device:
         sets.append(f"env.device={args.env_device}")
     if args.device == "cpu":
@@ -244,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--mps", action="store_true", help="every run under CUDA MPS (launch/run_local.sh --mps: a daemon "
                    "of its own per run)")
+    p.add_argument("--no-updates", action="store_true", help="acting alone: the learner holds its copy but never "
+                   "trains (lag_policy drop), so nothing of it runs on the device beside the acting processes")
     p.add_argument("--prebuild", type=Path, metavar="DIR",
                    help="build the config's fresh VLA once, save it here, and have every process load it")
     args = p.parse_args(argv)
@@ -257,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rollouts of {args.buffer_size}, device {args.device}"
           + "".join(f", {x}" for x in args.sets if x.startswith("trainer.lag_policy="))
           + (", under CUDA MPS" if args.mps else "")
+          + (", acting alone (the learner never trains)" if args.no_updates else "")
           + (f", a = {args.latency} s + b = {args.latency_per_env} s x envs per call" if args.device == "cpu" else "")
           + f" | {info}")
     if args.prebuild is not None:
@@ -277,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
             if "sps" in row:
                 extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests, "
                          f"{row.get('forward_ms', float('nan')):.1f} ms per batch" if mode == "server" else "")
-                extra += (f" | update {row['update_s']:.2f} s (the learner trains at most "
+                extra += (" | no updates (acting alone)" if args.no_updates else
+                          f" | update {row['update_s']:.2f} s (the learner trains at most "
                           f"{row['learner_ceiling_sps'] or float('nan'):.0f} env steps/s), {row['dropped_lag']} rollouts "
                           f"dropped for lag, {row['overwritten']} overwritten")
                 split = (f" (server {row['server_peak_mib']:.0f}, actors {row['actors_peak_mib']:.0f})"
                          if mode == "server" else "")
                 trained = (f" ({row['trained_sps']:.1f} trained)" if row.get("trained_sps") is not None
-                           and row["env_steps_trained"] != row["env_steps"] else "")
+                           and row["env_steps_trained"] != row["env_steps"] and not args.no_updates else "")
                 print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s{trained}, peak {row['peak_mib']:8.0f} MiB{split}, "
                       f"return {row['return']}{extra}", flush=True)
     by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}

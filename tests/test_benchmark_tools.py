@@ -314,3 +314,23 @@ def test_the_acting_processes_memory_is_read_per_process_and_by_role(tmp_path, m
     assert inference_server.acting_pids(tmp_path / "server_8") == {"server": [1], "actors": [2]}
     me = inference_server.memory_mib([os.getpid(), 2**22 + 7], "cpu")       # a pid that does not exist is left out
     assert list(me) == [os.getpid()] and me[os.getpid()] > 10
+
+
+def test_no_updates_leaves_the_learner_idle_with_a_valid_config():
+    """inference_server.py --no-updates: an update needs more rollouts than the run collects, the
+    actors are not paced (they would wait for updates that never come), and the config is valid."""
+    import argparse
+
+    import inference_server
+    from shared.config import load_config
+    args = argparse.Namespace(sets=["trainer.lag_policy=pace"], num_envs=4, steps=4096, buffer_size=8, device="cpu",
+                              env_device="", latency=0.0, latency_per_env=0.0, max_wait_ms=5.0, server_splits=1,
+                              no_updates=True)
+    for mode in ("local", "server"):
+        cfg = load_config(ROOT / "configs" / "cartpole_ppo.json", inference_server.overrides(args, 8, mode))
+        made = 4096 // (4 * 8)                                   # rollouts the run collects
+        assert cfg.trainer.rollouts_per_update > made and cfg.trainer.buffer_capacity >= cfg.trainer.rollouts_per_update
+        assert cfg.trainer.lag_policy == "drop"
+    args.no_updates = False
+    cfg = load_config(ROOT / "configs" / "cartpole_ppo.json", inference_server.overrides(args, 8, "server"))
+    assert cfg.trainer.rollouts_per_update == 8 and cfg.trainer.lag_policy == "pace"
