@@ -250,12 +250,16 @@ class Collector:
         return idx, out
 
     def _to_device(self, step):
-        """`step`'s tensors on the policy's device (a CPU simulator with a GPU policy)."""
-        return step._replace(obs=step.obs.to(self.device, non_blocking=True),
-                             final_obs=step.final_obs.to(self.device, non_blocking=True),
-                             reward=step.reward.to(self.device, non_blocking=True),
-                             terminated=step.terminated.to(self.device, non_blocking=True),
-                             truncated=step.truncated.to(self.device, non_blocking=True))
+        """`step`'s tensors on the policy's device: a CPU simulator with a GPU policy, or a GPU simulator
+        whose policy acts on the CPU (an inference server's actor: its collector runs on the CPU).
+        Without waiting only towards a GPU: a copy to the host with ``non_blocking`` may return before
+        its bytes have arrived, and the host reads them at once (rewards recorded, observations sent)."""
+        wait = self.device.type != "cuda"
+        return step._replace(obs=step.obs.to(self.device, non_blocking=not wait),
+                             final_obs=step.final_obs.to(self.device, non_blocking=not wait),
+                             reward=step.reward.to(self.device, non_blocking=not wait),
+                             terminated=step.terminated.to(self.device, non_blocking=not wait),
+                             truncated=step.truncated.to(self.device, non_blocking=not wait))
 
     def _episodes_ended(self, step, t: int, stats: RolloutStats, nval_b: torch.Tensor | None,
                         boot_b: torch.Tensor | None) -> None:

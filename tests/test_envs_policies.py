@@ -277,6 +277,57 @@ def test_collector_on_cuda_returns_pinned_host_rollout(env_id):
     assert torch.isfinite(td[keys.NEXT_VALUE]).all() and (td[keys.POLICY_VERSION] == 1).all()
 
 
+def test_steps_reach_a_cpu_collector_by_copies_that_wait():
+    """A GPU simulator whose policy acts on the CPU (an inference server's actor): the step's tensors
+    come to the host by copies that wait. ``non_blocking`` towards the host may return before the bytes
+    arrive, and the collector reads them at once (rewards recorded, observations sent to the server)."""
+    from types import SimpleNamespace
+
+    from shared.envs.base import StepResult
+    asked: list[bool] = []
+
+    class Spy(torch.Tensor):   # records every .to(): where, and whether it waits
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.to:
+                asked.append(bool((kwargs or {}).get("non_blocking", False)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def spy(t):
+        return t.as_subclass(Spy)
+
+    step = StepResult(spy(torch.zeros(4, 3)), spy(torch.ones(4)), spy(torch.zeros(4, dtype=torch.bool)),
+                      spy(torch.zeros(4, dtype=torch.bool)), spy(torch.zeros(4, 3)), [], [])
+    Collector._to_device(SimpleNamespace(device=torch.device("cpu")), step)
+    assert asked == [False] * 5
+    asked.clear()
+    Collector._to_device(SimpleNamespace(device=torch.device("meta")), step)   # any device but a GPU: waits too
+    assert asked == [False] * 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_simulator_with_a_cpu_policy_records_what_the_env_returned():
+    """The rollout holds the rewards and observations the GPU env gave (read back by waiting copies)."""
+    cfg = cfg_for("tandem/Pendulum-v0")
+    env = make_env("tandem/Pendulum-v0", 256, {}, "cuda:0")
+    seen = []
+    step = env.step
+
+    def recording_step(action):
+        out = step(action)
+        seen.append((out.reward.cpu(), out.obs.cpu()))   # blocking copies: what the env returned
+        return out
+
+    env.step = recording_step
+    policy = make_policy(cfg, env.spec)                   # on the CPU
+    td, _, _ = Collector(env, policy, num_steps=16, seed=0).collect(version=1)
+    for t, (reward, obs) in enumerate(seen):
+        assert torch.equal(td[keys.REWARD][:, t], reward)
+        if t + 1 < len(seen):
+            assert torch.equal(td[keys.OBS][:, t + 1], obs)
+
+
 def test_normaliser_and_reward_scale_combine_exactly_over_learner_ranks():
     """Several learner ranks: each folds in its own batch with the moments summed over ranks, and
     ends with the statistics of the union, identical on every rank (here two ranks, simulated)."""
