@@ -773,11 +773,16 @@ class RemotePolicy:
 
 
 # ---------------------------------------------------------------------------------------- the process
-def bind_router(ctx: zmq.Context, host: str, path: Path, curve=None) -> tuple[zmq.Socket, str]:
-    """A ROUTER socket for the server, on the port of the previous incarnation when it is free."""
+def bind_router(ctx: zmq.Context, host: str, path: Path, curve=None, max_bytes: int | None = None
+                ) -> tuple[zmq.Socket, str]:
+    """A ROUTER socket for the server, on the port of the previous incarnation when it is free.
+    `max_bytes`: the largest frame a request can hold (:attr:`RequestChecker.max_bytes`); ZeroMQ
+    disconnects a peer that sends more before any of it is buffered whole."""
     from shared.transport import bind
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    if max_bytes is not None:   # set before the bind: every connection, however early, has the limit
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)    # an unroutable reply raises instead of vanishing
     sock.setsockopt(zmq.SNDHWM, 64)
     sock.setsockopt(zmq.RCVHWM, 256)
@@ -856,7 +861,8 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         curve_server.start(ctx)
     sub = WeightsSubscriber(ctx, endpoints["weights"], curve=curve_client)
     path = endpoint_path(run_dir, server_id)
-    sock, endpoint = bind_router(ctx, "127.0.0.1", path, curve_server)
+    max_bytes = RequestChecker(spec, a.num_envs, []).max_bytes   # the bound the server's checker applies
+    sock, endpoint = bind_router(ctx, "127.0.0.1", path, curve_server, max_bytes)
     writer = None
     try:
         from torch.utils.tensorboard import SummaryWriter

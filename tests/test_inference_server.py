@@ -679,6 +679,33 @@ def test_a_flood_of_bad_requests_does_not_keep_batches_from_going_out(tmp_path):
         s.close()
 
 
+def test_a_frame_larger_than_any_request_is_never_buffered(tmp_path):
+    """The server's ROUTER has ZeroMQ's MAXMSGSIZE (the checker's bound): a peer that sends a larger
+    frame is disconnected before the frame is buffered whole; the others are served."""
+    ctx = zmq.Context()
+    sock, endpoint = bind_router(ctx, "127.0.0.1", tmp_path / "ep.json", max_bytes=4096)
+    peers = []
+    try:
+        for _ in range(2):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(endpoint)
+            peers.append(d)
+        peers[0].send_multipart([b"h", b"x" * (1 << 20)])     # 1 MiB: refused by ZeroMQ itself
+        peers[1].send_multipart([b"h", b"y" * 100])
+        got = []
+        deadline = time.monotonic() + 1.5     # both would be here well within this, were the large one taken
+        while time.monotonic() < deadline and len(got) < 2:
+            if sock.poll(100):
+                got.append([bytes(f) for f in sock.recv_multipart()][1:])
+        assert got == [[b"h", b"y" * 100]]
+    finally:
+        for d in peers:
+            d.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
+
+
 def test_a_request_never_served_expires_when_its_actor_stopped_waiting(tmp_path):
     s = Served(tmp_path)
     try:
