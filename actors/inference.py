@@ -485,12 +485,12 @@ class InferenceServer:
         fail alone, with an error reply (their actor ends, as it would acting locally, and the
         launcher restarts it). A device left unusable (a CUDA assert is sticky) ends the server, so
         the launcher starts a fresh one."""
-        self._device_usable(error)
-        for r in reqs:
+        self._device_usable(error, reqs)
+        for i, r in enumerate(reqs):
             try:
                 outs = self._forward(kind, [r]) if len(reqs) > 1 else None
             except Exception as e:
-                self._device_usable(e)
+                self._device_usable(e, reqs[i:])
                 error, outs = e, None
             if outs is not None:
                 self._reply([r], outs, meta)
@@ -506,16 +506,24 @@ class InferenceServer:
         except zmq.ZMQError:   # the actor is gone or its queue is full: its request is counted already
             pass
 
-    def _device_usable(self, error: Exception) -> None:
+    def _device_usable(self, error: Exception, reqs: list[Request]) -> None:
         """Raise `error` (the server ends, and the launcher starts a new one) when the device it came
-        from cannot run anything more: a CUDA assert is sticky."""
+        from cannot run anything more: a CUDA assert is sticky. The requests `reqs` of the batch that
+        failed get an error reply first: which of them did it cannot be told on a dead device, and an
+        actor left waiting would send its request again to the next server, and end that one too."""
         if self.loader.device.type != "cuda":
             return
         try:
             torch.cuda.synchronize(self.loader.device)
         except Exception:
-            log.error("inference server %d: the device failed and stays unusable (%s: %s); exiting for a "
-                      "restart", self.server_id, type(error).__name__, error)
+            log.error("inference server %d: the device failed and stays unusable (%s: %s); refusing the %d "
+                      "requests of the batch and exiting for a restart", self.server_id, type(error).__name__,
+                      error, len(reqs))
+            why = (f"the inference server's device failed on a batch with this request "
+                   f"({type(error).__name__}: {error})")[:500]
+            for r in reqs:
+                self._refuse("failed", r.route, f"actor {r.actor}, request {r.rid}: {why}")
+                self._reply_error(r.route, r.rid, why)
             raise error
 
     def _maybe_log(self) -> None:

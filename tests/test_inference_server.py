@@ -409,6 +409,38 @@ def test_observations_the_policy_raises_on_refuse_their_request_alone_and_the_se
         s.close()
 
 
+def test_a_device_left_unusable_refuses_the_failed_batch_before_the_server_ends(tmp_path, monkeypatch):
+    """A sticky device failure (a CUDA assert) ends the server for a restart; every request of the
+    batch that failed hears so first. Left waiting, its actor would send the request again to the
+    next server and end that one too, until the launcher gave up on the run."""
+    s = Served(tmp_path, server_max_wait_ms=2000.0)      # both actors' requests in one batch
+    try:
+        s.weights.publish(s.learner, 0)
+        assert s.server._take_weights()
+
+        def dead(device=None):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        monkeypatch.setattr(torch.cuda, "synchronize", dead)
+        monkeypatch.setattr(s.server.loader, "device", torch.device("cuda", 0))   # what _device_usable asks
+        monkeypatch.setattr(s.server, "_forward", lambda kind, reqs: (_ for _ in ()).throw(RuntimeError("assert")))
+        bad, good = s.remote(0), s.remote(1)
+        for actor, seed in ((bad, 0), (good, 1)):
+            actor.submit("act", _obs(4, seed))
+        deadline = time.monotonic() + 5
+        while len(s.server.waiting) < 2 and time.monotonic() < deadline:
+            s.server._receive(0.05)
+        batch = s.server._batch()
+        assert len(batch) == 2
+        with pytest.raises(RuntimeError, match="assert"):
+            s.server._serve(batch)
+        for actor in (bad, good):
+            with pytest.raises(InferenceRefused, match="device failed"):
+                actor.result(1)
+        assert s.server.counts["failed"] == 2
+    finally:
+        s.close()
+
+
 def test_a_request_waits_for_the_version_it_asks_for(served):
     """Standard mode: an actor's first request of a rollout names the version it needs; the server
     holds it (serving others meanwhile) until that version is loaded."""
@@ -643,21 +675,26 @@ def test_an_actor_whose_request_is_refused_hears_why_at_once(served):
     assert time.monotonic() - t0 < 5 and served.server.counts["malformed"] == 1
 
 
-def test_a_request_with_token_ids_outside_the_vocabulary_is_refused_by_the_checker():
-    """The action-token VLA's instruction ids index its embedding: out of range, they are refused as
-    the request arrives (on CUDA the lookup would leave the device unusable)."""
+@pytest.mark.parametrize("config, sets, vocabulary", [
+    ("vla_tokens_reach_smoke.json", [], 512),                           # the action-token VLA
+    ("vla_reach_ppo.json", ['policy.vla_config.model_path=""'], 8),     # TinyVLA, built fresh
+])
+def test_a_request_with_token_ids_outside_the_vocabulary_is_refused_by_the_checker(config, sets, vocabulary):
+    """A VLA's instruction ids index its embedding: out of range, they are refused as the request
+    arrives (on CUDA the lookup would leave the device unusable)."""
     from shared.config import load_config
-    cfg = load_config(ROOT / "configs" / "vla_tokens_reach_smoke.json", ["actors.inference=server"])
+    cfg = load_config(ROOT / "configs" / config, ["actors.inference=server", *sets])
     spec = env_spec(cfg.env.id, cfg.env.cfg)
     policy = make_policy(cfg, spec)
     checker = RequestChecker(spec, cfg.actors.num_envs, [0], observation_bounds(policy))
-    assert checker.obs_bounds == {"instruction": (0, 512)}
+    assert checker.obs_bounds == {"instruction": (0, vocabulary)}
     obs = make_env(cfg.env.id, 2, cfg.env.cfg, "cpu").reset(seed=0)
     frames = [zmq.Frame(bytes(f)) for f in wire.encode(TensorDict({keys.OBS: obs}, [2]), kind="act", actor=0, id=5)]
     assert checker.check(b"a", frames).n == 2
-    obs["instruction"][1, 0] = 600
+    obs["instruction"][1, 0] = vocabulary + 88
     frames = [zmq.Frame(bytes(f)) for f in wire.encode(TensorDict({keys.OBS: obs}, [2]), kind="act", actor=0, id=6)]
-    with pytest.raises(wire.WireError, match=r"'instruction' holds ids from 0 to 600, outside \[0, 512\)") as e:
+    with pytest.raises(wire.WireError, match=rf"'instruction' holds ids from 0 to {vocabulary + 88}, outside "
+                                             rf"\[0, {vocabulary}\)") as e:
         checker.check(b"a", frames)
     assert e.value.rid == 6                      # the server answers actor 0's request 6 with why
 

@@ -51,3 +51,8 @@ class TinyVLA(nn.Module):
 
     def deterministic_action(self, dist: Independent) -> torch.Tensor:
         return dist.base_dist.mean
+
+    def observation_bounds(self) -> dict[str, tuple[int, int]]:
+        """The instruction ids its embedding can look up (shared.policies.observation_bounds): checked
+        on the CPU as rollouts and requests arrive, since an id outside is a sticky CUDA assert."""
+        return {"instruction": (0, self.language.num_embeddings)}
