@@ -73,6 +73,7 @@ log = logging.getLogger("tandem.inference")
 
 LOG_EVERY = 1000          # after the first 10, one refusal in this many is logged
 ENDPOINT_CHECK_S = 1.0    # how often a waiting actor looks for a restarted server
+WEIGHTS_LOOK_S = 0.005    # how often a server holding requests for a version looks for it
 
 
 class InferenceStopped(Exception):
@@ -359,6 +360,8 @@ class InferenceServer:
                 return
             if servable:
                 deadline = min(r.arrived for r in servable) + min(self.max_wait_s, 0.5 * self.forward_ema_s)
+            elif self.waiting:   # held for weights, which come on the subscriber's thread: look again soon
+                deadline = min(deadline, now + WEIGHTS_LOOK_S)
             remaining = deadline - now
             # ZeroMQ waits in whole milliseconds: under half of one left, take what has arrived and
             # serve (polling with 0 until the deadline spun a core, taken from the learner on a small host)

@@ -458,6 +458,33 @@ def test_a_request_waits_for_the_version_it_asks_for(served):
     assert got["out"][keys.POLICY_VERSION].eq(1).all() and waiting.min_version == -1
 
 
+def test_a_request_waiting_for_a_version_is_served_soon_after_it_arrives(tmp_path):
+    """While a request waits for weights, the server looks for them every few milliseconds, not only
+    when its wait for more requests (100 ms) runs out: in standard mode and under pace every rollout
+    starts with such a wait."""
+    served = Served(tmp_path, num_actors=1)        # a batch is full with one request: no wait for others
+    try:
+        served.weights.publish(served.learner, 0)
+        served.start()
+        actor = served.remote(0)
+        delays = []
+        for v in range(1, 9):
+            actor.min_version = v
+            rid = actor.submit("act", _obs(4, v))
+            deadline = time.monotonic() + 5
+            while not served.server.waiting and time.monotonic() < deadline:   # held: v is not there yet
+                time.sleep(0.002)
+            time.sleep(0.01)
+            t0 = time.monotonic()
+            served.weights.publish(served.learner, v)
+            out = actor.result(rid)
+            delays.append(time.monotonic() - t0)
+            assert out[keys.POLICY_VERSION].eq(v).all()
+        assert sorted(delays)[len(delays) // 2] < 0.025, delays
+    finally:
+        served.close()
+
+
 def test_a_paced_actor_acts_its_rollout_with_the_newest_version_the_learner_announced(served, tmp_path):
     """lag_policy pace bounds staleness by starting each rollout with the newest version, as a
     local actor loads it first. Through a server, the credit that lets a rollout start names that
