@@ -176,17 +176,17 @@ class RequestChecker:
                                  f"({sorted(self.actors)})")
         if not _is_int(rid):
             raise wire.WireError(f"request without an integer 'id' (got {rid!r})")
-        min_version = meta.get("min_version", -1)
-        if not _is_int(min_version) or min_version < -1:
-            raise wire.WireError(f"'min_version' must be an int >= -1, got {min_version!r}")
-        incarnation = meta.get("incarnation")
-        if incarnation is not None and not (isinstance(incarnation, str) and len(incarnation) <= 128):
-            raise wire.WireError(f"'incarnation' must be a string of at most 128 characters, got "
-                                 f"{str(incarnation)[:40]!r}")
-        same_life = meta.get("same_life", False)
-        if not isinstance(same_life, bool):
-            raise wire.WireError(f"'same_life' must be true or false, got {str(same_life)[:40]!r}")
-        try:
+        try:   # from here on, one of our actors' requests: a WireError names it, and the server tells it why
+            min_version = meta.get("min_version", -1)
+            if not _is_int(min_version) or min_version < -1:
+                raise wire.WireError(f"'min_version' must be an int >= -1, got {str(min_version)[:40]!r}")
+            incarnation = meta.get("incarnation")
+            if incarnation is not None and not (isinstance(incarnation, str) and len(incarnation) <= 128):
+                raise wire.WireError(f"'incarnation' must be a string of at most 128 characters, got "
+                                     f"{str(incarnation)[:40]!r}")
+            same_life = meta.get("same_life", False)
+            if not isinstance(same_life, bool):
+                raise wire.WireError(f"'same_life' must be true or false, got {str(same_life)[:40]!r}")
             req = self._check_body(route, actor, rid, kind, min_version, incarnation, batch, leaves)
             req.same_life = same_life and incarnation is not None
             return req

@@ -702,6 +702,19 @@ def test_an_actor_whose_request_is_refused_hears_why_at_once(served):
     assert time.monotonic() - t0 < 5 and served.server.counts["malformed"] == 1
 
 
+def test_an_actor_whose_request_names_a_bad_version_or_life_hears_why_at_once(served):
+    """What an actor's request asks of the version (its learner life here: too long a name) is checked
+    like its observations: the actor is told, not left to wait for its timeout."""
+    served.weights.publish(served.learner, 0)
+    served.start()
+    actor = served.remote(0, timeout_s=60)
+    actor.min_version, actor.min_incarnation = 1, "L" * 200
+    t0 = time.monotonic()
+    with pytest.raises(InferenceRefused, match="'incarnation' must be a string of at most 128"):
+        actor(_obs(4, 0))
+    assert time.monotonic() - t0 < 5 and served.server.counts["malformed"] == 1
+
+
 @pytest.mark.parametrize("config, sets, vocabulary", [
     ("vla_tokens_reach_smoke.json", [], 512),                           # the action-token VLA
     ("vla_reach_ppo.json", ['policy.vla_config.model_path=""'], 8),     # TinyVLA, built fresh
