@@ -74,6 +74,7 @@ log = logging.getLogger("tandem.inference")
 LOG_EVERY = 1000          # after the first 10, one refusal in this many is logged
 ENDPOINT_CHECK_S = 1.0    # how often a waiting actor looks for a restarted server
 WEIGHTS_LOOK_S = 0.005    # how often a server holding requests for a version looks for it
+BUSY_RETRY_S = 0.05       # an actor whose request found the server's queue full sends it again after this
 
 
 class InferenceStopped(Exception):
@@ -393,6 +394,7 @@ class InferenceServer:
             return
         if len(self.waiting) >= self.max_queue:
             self._refuse("busy", route, f"{len(self.waiting)} requests wait already (actors.server_queue)")
+            self._reply_busy(route, req.rid)
             return
         self.waiting.append(req)
 
@@ -502,6 +504,14 @@ class InferenceServer:
             self._refuse("failed", r.route, f"actor {r.actor}, request {r.rid}: {why}")
             self._reply_error(r.route, r.rid, why)
 
+    def _reply_busy(self, route: bytes, rid: int) -> None:
+        """Tell an actor its request found the queue full: it sends it again after a pause
+        (:data:`BUSY_RETRY_S`) instead of waiting for a reply that cannot come."""
+        try:
+            self.sock.send_multipart([route, *wire.encode_leaves([0], [], kind="busy", id=rid)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:   # the actor is gone or its queue is full: its request is counted already
+            pass
+
     def _reply_error(self, route: bytes, rid: int, why: str) -> None:
         try:
             self.sock.send_multipart([route, *wire.encode_leaves([0], [], kind="error", id=rid, why=why[:500])],
@@ -578,6 +588,7 @@ class _Pending:
     frames: list
     deadline: float
     sent_to: str | None = None
+    not_before: float = 0.0      # the server was busy: not sent again before this (time.monotonic)
 
 
 class RemotePolicy:
@@ -615,6 +626,7 @@ class RemotePolicy:
         self._pending: dict[int, _Pending] = {}  # requests sent (or to send), not answered yet
         self._ready: dict[int, tuple] = {}      # answered, not taken by result() yet
         self._next_check = 0.0                   # when to look at the endpoint file again
+        self.busy_replies = 0                    # requests the server's full queue sent back (sent again)
 
     @classmethod
     def connect(cls, ctx: zmq.Context, path: Path, actor_id: int, timeout_s: float, curve=None,
@@ -709,7 +721,7 @@ class RemotePolicy:
         if self.sock is None:
             return
         for p in self._pending.values():
-            if p.sent_to != self.server["incarnation"]:
+            if p.sent_to != self.server["incarnation"] and p.not_before <= now:
                 try:
                     self.sock.send_multipart(p.frames, flags=zmq.NOBLOCK)
                     p.sent_to = self.server["incarnation"]
@@ -731,6 +743,10 @@ class RemotePolicy:
         rid = rmeta.get("id")
         p = self._pending.get(rid) if _is_int(rid) else None
         if p is None:
+            return
+        if rmeta.get("kind") == "busy":   # the server's queue was full: send it again after a pause
+            p.sent_to, p.not_before = None, time.monotonic() + BUSY_RETRY_S
+            self.busy_replies += 1
             return
         if rmeta.get("kind") == "error":
             why = rmeta.get("why")

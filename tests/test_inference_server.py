@@ -799,6 +799,33 @@ def test_a_request_never_served_expires_when_its_actor_stopped_waiting(tmp_path)
         s.close()
 
 
+def test_a_request_that_finds_the_queue_full_is_sent_again_and_served(tmp_path):
+    """A full queue answers "busy"; the actor sends the request again after a pause and it is served
+    once there is room (it used to wait for its timeout, 120 s)."""
+    s = Served(tmp_path, server_queue=1)
+    try:
+        s.weights.publish(s.learner, 0)
+        s.start()
+        held, other = s.remote(0), s.remote(1, timeout_s=20)
+        held.min_version = 1                                  # holds the queue's one place until v1 comes
+        rid = held.submit("act", _obs(4, 0))
+        deadline = time.monotonic() + 5
+        while not s.server.waiting and time.monotonic() < deadline:
+            time.sleep(0.005)
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("out", other(_obs(4, 1))), daemon=True)
+        t.start()
+        while other.busy_replies < 2 and time.monotonic() < deadline:   # told, and sent again
+            time.sleep(0.01)
+        assert other.busy_replies >= 2 and s.server.counts["busy"] >= 2 and t.is_alive()
+        s.weights.publish(s.learner, 1)                       # the held request is served: room again
+        t.join(timeout=5)
+        assert got["out"][keys.POLICY_VERSION].eq(1).all()
+        assert held.result(rid)[keys.POLICY_VERSION].eq(1).all()
+    finally:
+        s.close()
+
+
 def test_the_queue_is_bounded(tmp_path):
     s = Served(tmp_path, server_queue=3)
     try:
