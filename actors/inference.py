@@ -901,21 +901,21 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     weights = DrainingSubscriber(sub)
     server = InferenceServer(cfg, server_id, acting, loader, weights, sock, spec, stop, writer, expire_s=learner_timeout_s,
                              progress=progress_path(run_dir, server_id))
-    unix = None
-    if a.server_transport == "unix":   # the actors on this host: a Unix socket (actors/unix_channel.py)
-        try:
-            channels = ServerChannels(sock, socket_path(run_dir, server_id), server.checker.max_bytes,
-                                      on_broken=lambda route, why: server._refuse("malformed", route, why))
-            sock = server.sock = channels
-            unix = channels.path
-        except OSError as e:   # a directory not ours, a path too long, ...: every actor on ZeroMQ
-            log.warning("inference server %d: no Unix socket at %s (%s); the actors use %s", server_id,
-                        socket_path(run_dir, server_id), e, endpoint)
-    incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest, unix)
-    log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
-             "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
-             1000 * server.max_wait_s)
-    try:
+    try:   # from the Unix socket on: whatever fails, the finally below closes what was opened
+        unix = None
+        if a.server_transport == "unix":   # the actors on this host: a Unix socket (actors/unix_channel.py)
+            try:
+                channels = ServerChannels(sock, socket_path(run_dir, server_id), server.checker.max_bytes,
+                                          on_broken=lambda route, why: server._refuse("malformed", route, why))
+                sock = server.sock = channels
+                unix = channels.path
+            except OSError as e:   # a directory not ours, a path too long, ...: every actor on ZeroMQ
+                log.warning("inference server %d: no Unix socket at %s (%s); the actors use %s", server_id,
+                            socket_path(run_dir, server_id), e, endpoint)
+        incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest, unix)
+        log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
+                 "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
+                 1000 * server.max_wait_s)
         return server.run()
     finally:
         b = max(1, server.counts["batches"])

@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env-device", default="", help="env.device in both modes (default: the actors' device)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path)
-    p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary one)")
+    p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary one, "
+                   "removed at the end unless a run failed)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--mps", action="store_true", help="every run under CUDA MPS (launch/run_local.sh --mps: a daemon "
                    "of its own per run)")
@@ -320,7 +321,14 @@ def main(argv: list[str] | None = None) -> int:
                                          "machine": info, "rows": rows,
                                          "server_over_local": {str(k): v for k, v in ratios.items()},
                                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1) + "\n")
-    return 0 if all("sps" in r for r in rows) else 1
+    ok = all("sps" in r for r in rows)
+    if args.out is None:   # the temporary run directories: kept only where a run failed, to be read
+        if ok:
+            import shutil
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            print(f"[inference] the runs' directories are kept in {out_dir}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

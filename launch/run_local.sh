@@ -190,6 +190,17 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
     [[ "$ring" == /dev/shm/tandem-*.rollouts ]] && rm -f "$ring"
     rm -f "$OUT/endpoints.json"
   fi
+  # Nor can a killed inference server remove its Unix socket (actors.server_transport "unix"), which
+  # lives in a private directory under $TMPDIR, outside OUT.
+  local f sock
+  for f in "$OUT"/inference/server_*.json; do
+    [[ -f "$f" ]] || continue
+    sock="$(sed -n 's/.*"unix": *"\([^"]*\)".*/\1/p' "$f")"
+    if [[ "$sock" == */tandem-"$(id -u)"-*/server_*.sock ]]; then
+      rm -f "$sock"
+      rmdir "$(dirname "$sock")" 2>/dev/null   # when no other run's server is in it
+    fi
+  done
   stop_mps
 }
 
