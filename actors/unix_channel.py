@@ -41,6 +41,7 @@ _COUNT = struct.Struct("<4sI")
 _LEN = struct.Struct("<Q")
 SOCKET_BUFFER = 4 << 20          # bytes asked for (the kernel caps it at net.core.[rw]mem_max)
 MAX_QUEUED_OUT = 64 << 20        # the server: bytes of replies queued for one slow actor; past this it is dropped
+TAKE_PER_POLL = 64               # the server: messages taken from one connection per poll (the others get their turn)
 
 
 class FramingError(Exception):
@@ -69,6 +70,7 @@ class _Stream:
         self.inbuf = bytearray()
         self.out = bytearray()
         self.closed = False
+        self._lengths: list[int] | None = None   # the frame lengths of the message at the head of inbuf
 
     def read(self) -> None:
         """Take what the socket has (non-blocking), at most 16 MiB a call (a peer that writes without
@@ -92,20 +94,23 @@ class _Stream:
 
     def message(self) -> list[memoryview] | None:
         """The next whole message received, as frames (each its own writable memory), or None."""
-        if len(self.inbuf) < _COUNT.size:
-            return None
-        magic, n = _COUNT.unpack_from(self.inbuf)
-        if magic != MAGIC or n < 1 or n > MAX_FRAMES:
-            raise FramingError(f"not a Tandem stream (starts {bytes(self.inbuf[:8])!r})")
-        head = _COUNT.size + n * _LEN.size
-        if len(self.inbuf) < head:
-            return None
-        lengths = [_LEN.unpack_from(self.inbuf, _COUNT.size + i * _LEN.size)[0] for i in range(n)]
-        total = sum(lengths)
-        if total > self.max_bytes:
-            raise FramingError(f"a message of {total} bytes, over the {self.max_bytes}-byte limit")
+        if self._lengths is None:   # the head of the next message, parsed once however slowly its body comes
+            if len(self.inbuf) < _COUNT.size:
+                return None
+            magic, n = _COUNT.unpack_from(self.inbuf)
+            if magic != MAGIC or n < 1 or n > MAX_FRAMES:
+                raise FramingError(f"not a Tandem stream (starts {bytes(self.inbuf[:8])!r})")
+            if len(self.inbuf) < _COUNT.size + n * _LEN.size:
+                return None
+            lengths = [_LEN.unpack_from(self.inbuf, _COUNT.size + i * _LEN.size)[0] for i in range(n)]
+            if sum(lengths) > self.max_bytes:
+                raise FramingError(f"a message of {sum(lengths)} bytes, over the {self.max_bytes}-byte limit")
+            self._lengths = lengths
+        lengths = self._lengths
+        head, total = _COUNT.size + len(lengths) * _LEN.size, sum(lengths)
         if len(self.inbuf) < head + total:
             return None
+        self._lengths = None
         body = self.inbuf[head:head + total]   # a copy: its own memory, which the tensors alias
         del self.inbuf[:head + total]
         out, view, at = [], memoryview(body), 0
@@ -224,6 +229,7 @@ class ServerChannels:
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.listener.fileno(), zmq.POLLIN)
         self._writing: set[bytes] = set()  # routes registered for POLLOUT (a reply queued)
+        self._backlog: set[bytes] = set()  # routes whose received bytes may hold more whole messages
         self.accepted = 0                  # connections taken, over the server's life
         self._accept_paused_until = 0.0    # out of file descriptors: the listener rests a second
 
@@ -237,7 +243,8 @@ class ServerChannels:
         for route in [r for r in self._writing if not self.streams[r].out]:
             self._poller.register(self.streams[route].sock.fileno(), zmq.POLLIN)
             self._writing.discard(route)
-        events = dict(self._poller.poll(timeout_ms))
+        backlog = list(self._backlog)       # their turn comes after the others have had theirs
+        events = dict(self._poller.poll(0 if backlog else timeout_ms))
         router_ready = bool(events.pop(self.router, 0))
         for fd, ev in events.items():
             if fd == self.listener.fileno():
@@ -249,11 +256,18 @@ class ServerChannels:
             s = self.streams[route]
             if ev & zmq.POLLOUT:
                 s.flush()
-            if ev & zmq.POLLIN:
+            if ev & zmq.POLLIN and route not in self._backlog:   # a connection with a backlog reads no more
                 s.read()
                 self._collect(route, s)
             if ev & zmq.POLLERR:
                 s.closed = True
+            if s.closed:
+                self._drop(route)
+        for route in backlog:               # what a connection sent beyond its last turn: another turn's worth
+            s = self.streams.get(route)
+            if s is None:
+                continue
+            self._collect(route, s)
             if s.closed:
                 self._drop(route)
         return bool(self.ready) or router_ready
@@ -314,9 +328,16 @@ class ServerChannels:
             self._poller.register(conn.fileno(), zmq.POLLIN)
 
     def _collect(self, route: bytes, s: _Stream) -> None:
+        """Take up to :data:`TAKE_PER_POLL` whole messages of connection `route`; with more left, it
+        waits for its next turn (a peer that sends without end cannot keep the others waiting)."""
+        self._backlog.discard(route)
         try:
-            while (msg := s.message()) is not None:
+            for _ in range(TAKE_PER_POLL):
+                msg = s.message()
+                if msg is None:
+                    return
                 self.ready.append([route, *msg])
+            self._backlog.add(route)
         except FramingError as e:
             self.on_broken(route, str(e))
             s.closed = True
@@ -324,6 +345,7 @@ class ServerChannels:
     def _drop(self, route: bytes) -> None:
         s = self.streams.pop(route, None)
         self._writing.discard(route)
+        self._backlog.discard(route)
         if s is not None:
             fd = s.sock.fileno()
             self.by_fd.pop(fd, None)

@@ -213,3 +213,36 @@ def test_the_socket_directory_must_be_this_users_own_real_directory(tmp_path):
     ours.mkdir(mode=0o755)
     private_dir(ours)
     assert oct(os.stat(ours).st_mode & 0o777) == "0o700"
+
+
+def test_a_connection_that_sends_without_end_does_not_keep_the_others_waiting(channels):
+    """A peer that has sent thousands of well-framed messages gets TAKE_PER_POLL of them a turn; a
+    message that another actor sent after them is handed out within the next turn, not after all
+    of the flood."""
+    from actors.unix_channel import TAKE_PER_POLL
+    flood, actor = UnixDealer(channels.path), UnixDealer(channels.path)
+    try:
+        n = 20 * TAKE_PER_POLL
+        buffers = [b for _ in range(n) for b in encode([b"junk"])]
+        flood.stream.sock.setblocking(True)
+        flood.stream.sock.sendall(b"".join(bytes(b) for b in buffers))   # all of it in the server's socket buffer
+        deadline = time.monotonic() + 5
+        while channels.accepted < 2 and time.monotonic() < deadline:
+            channels.poll(10)
+        while not channels.ready and time.monotonic() < deadline:
+            channels.poll(10)                                          # the flood's first turn
+        actor.send_multipart([b"mine"])
+        order = []
+        while b"mine" not in order and time.monotonic() < deadline:
+            if channels.poll(10):
+                order.append(bytes(channels.recv_multipart()[1]))
+        assert b"mine" in order and order.index(b"mine") <= 3 * TAKE_PER_POLL, len(order)
+        rest = 0
+        while rest < n - order.count(b"junk") and time.monotonic() < deadline:   # the flood is not lost
+            if channels.poll(10):
+                channels.recv_multipart()
+                rest += 1
+        assert rest == n - order.count(b"junk")
+    finally:
+        flood.close()
+        actor.close()
