@@ -230,6 +230,7 @@ class ServerChannels:
         self._poller.register(self.listener.fileno(), zmq.POLLIN)
         self._writing: set[bytes] = set()  # routes registered for POLLOUT (a reply queued)
         self._backlog: set[bytes] = set()  # routes whose received bytes may hold more whole messages
+        self._since_router = 0             # Unix messages handed out since the last ZeroMQ one
         self.accepted = 0                  # connections taken, over the server's life
         self._accept_paused_until = 0.0    # out of file descriptors: the listener rests a second
 
@@ -273,8 +274,12 @@ class ServerChannels:
         return bool(self.ready) or router_ready
 
     def recv_multipart(self, copy: bool = False) -> list:
-        if self.ready:
+        # Unix messages first, but after a turn's worth of them a waiting ZeroMQ one (remote actors):
+        # local connections that keep sending cannot hold them back
+        if self.ready and (self._since_router < TAKE_PER_POLL or not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            self._since_router += 1
             return self.ready.pop(0)
+        self._since_router = 0
         frames = self.router.recv_multipart(copy=copy)
         route = getattr(frames[0], "bytes", frames[0])
         if route.startswith(ROUTE_PREFIX):   # a ZeroMQ peer naming itself as a Unix one: its replies would go astray

@@ -246,3 +246,33 @@ def test_a_connection_that_sends_without_end_does_not_keep_the_others_waiting(ch
     finally:
         flood.close()
         actor.close()
+
+
+def test_local_connections_that_keep_sending_do_not_hold_back_a_remote_actor(channels):
+    """Messages over the Unix socket come first, but a ZeroMQ one (an actor on another host) waiting
+    behind a turn's worth of them is handed out next."""
+    from actors.unix_channel import TAKE_PER_POLL
+    flood = UnixDealer(channels.path)
+    ctx = zmq.Context()
+    remote = ctx.socket(zmq.DEALER)
+    remote.setsockopt(zmq.LINGER, 0)
+    remote.connect(channels.router.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        n = 20 * TAKE_PER_POLL
+        flood.stream.sock.setblocking(True)
+        flood.stream.sock.sendall(b"".join(bytes(b) for _ in range(n) for b in encode([b"junk"])))
+        deadline = time.monotonic() + 5
+        while not channels.ready and time.monotonic() < deadline:
+            channels.poll(10)
+        remote.send_multipart([b"remote"])
+        while not channels.router.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < deadline:
+            time.sleep(0.01)                                            # it has reached the server's socket
+        order = []
+        while b"remote" not in order and time.monotonic() < deadline:
+            if channels.poll(10):
+                order.append(bytes(channels.recv_multipart()[1]))
+        assert b"remote" in order and order.index(b"remote") <= 2 * TAKE_PER_POLL, len(order)
+    finally:
+        flood.close()
+        remote.close(linger=0)
+        ctx.term()
