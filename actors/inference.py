@@ -25,8 +25,9 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   life its credit came from (``same_life``) and is held for that life's weights, for at most
   ``SAME_LIFE_WAIT_S`` (after a learner restart, a rollout acted with the old life's is dropped);
 - requests and replies are :mod:`shared.wire` messages (no pickle); a malformed request is dropped
-  and counted with its sender in the log, and the queue of requests waiting for a batch is bounded
-  (``actors.server_queue``); CURVE applies to its socket where the run uses it;
+  and counted with its sender in the log (one of the server's own actors is told why), and the queue
+  of requests waiting for a batch is bounded (``actors.server_queue``: a request past it is answered
+  "busy" and its actor sends it again); CURVE applies to its socket where the run uses it;
 - the server writes ``inference/server_<id>.json`` (endpoint and incarnation) in the run directory;
   a restarted server binds the same port when it can and writes a new incarnation, and an actor
   waiting on it re-sends its request to the new one.
@@ -75,6 +76,7 @@ LOG_EVERY = 1000          # after the first 10, one refusal in this many is logg
 ENDPOINT_CHECK_S = 1.0    # how often a waiting actor looks for a restarted server
 WEIGHTS_LOOK_S = 0.005    # how often a server holding requests for a version looks for it
 BUSY_RETRY_S = 0.05       # an actor whose request found the server's queue full sends it again after this
+                          # (up to one poll, 50 ms, later)
 
 
 class InferenceStopped(Exception):
@@ -266,7 +268,7 @@ class InferenceServer:
         self.max_queue = a.server_queue
         self.checker = RequestChecker(spec, a.num_envs, self.actors, observation_bounds(policy))
         self.waiting: list[Request] = []        # checked, not served yet (bounded by max_queue)
-        # dropped: malformed, busy (the queue was full), undeliverable (the reply could not be sent),
+        # refused: malformed, busy (the queue was full: its actor sends it again), undeliverable (the reply could not be sent),
         # failed (the policy raised on it), expired (waited longer than its actor waits for a reply)
         self.counts = {"requests": 0, "replies": 0, "batches": 0, "envs": 0, "malformed": 0, "busy": 0,
                        "undeliverable": 0, "failed": 0, "expired": 0, "asked": 0}
@@ -349,7 +351,8 @@ class InferenceServer:
     def _receive(self, timeout_s: float) -> None:
         """Take requests off the socket: wait up to `timeout_s` for the first; after a servable one
         is waiting, go on for at most ``server_max_wait_ms`` from its arrival, until the batch is full
-        (``server_max_batch`` envs, or a request from every served actor)."""
+        (``server_max_batch`` envs, or a request from every served actor). While requests are held for
+        weights, return within :data:`WEIGHTS_LOOK_S` (the weights come on another thread)."""
         deadline = time.perf_counter() + timeout_s
         while True:
             now = time.perf_counter()
@@ -901,6 +904,7 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     weights = DrainingSubscriber(sub)
     server = InferenceServer(cfg, server_id, acting, loader, weights, sock, spec, stop, writer, expire_s=learner_timeout_s,
                              progress=progress_path(run_dir, server_id))
+    ended = False   # by its loop; else by an exception, whose last error replies must still go out
     try:   # from the Unix socket on: whatever fails, the finally below closes what was opened
         unix = None
         if a.server_transport == "unix":   # the actors on this host: a Unix socket (actors/unix_channel.py)
@@ -916,13 +920,15 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
                  "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
                  1000 * server.max_wait_s)
-        return server.run()
+        rc = server.run()
+        ended = True
+        return rc
     finally:
         b = max(1, server.counts["batches"])
         c = server.counts
         log.info("inference server %d: stopping after %d batches (%.1f envs from %.2f requests each, %.1f ms "
                  "per batch); requests "
-                 "dropped: %d malformed, %d busy, %d undeliverable, %d failed, %d expired; asked the learner again "
+                 "refused: %d malformed, %d busy (sent again), %d undeliverable, %d failed, %d expired; asked the learner again "
                  "for weights %d times", server_id, c["batches"], c["envs"] / b, c["replies"] / b,
                  1000 * server.forward_total_s / b, c["malformed"],
                  c["busy"], c["undeliverable"], c["failed"], c["expired"], c["asked"])
@@ -937,7 +943,9 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
         drained = weights.close()
         if drained:
             sub.close()
-        sock.close(linger=0)
+        # a device left unusable refused its batch's requests just before the exception: ZeroMQ sends
+        # them from its I/O thread, so give it half a second (the Unix socket's are in the kernel already)
+        sock.close(linger=0 if ended else 500)
         if curve_server is not None:
             curve_server.stop()
         if drained:

@@ -56,7 +56,7 @@
 #      copy there but never trains (lag_policy drop), so env steps/s is what the 8 local copies and the
 #      one server reach on the device without the learner's kernels beside them, as where the learner has
 #      a GPU of its own; under pace (step 11) both modes run at the learner's rate on a shared GPU
-#      (docs/results/inference_server_h100.md). Reuses step 11's prebuilt model (about 2.5 minutes)
+#      (docs/results/inference_server_h100.md). Reuses an earlier step's prebuilt model (about 2.5 minutes)
 #  11c. server-a0-cpu: no GPU used: issue 47's done-when 2 at a = 0 on the lent machine's CPU cores
 #      (the 2-core VM has fewer cores than the run has processes): benchmarks/async_speedup.py --latency 0
 #      with four actors sharing one device (local copies taking turns), through a server, and each on its
@@ -245,7 +245,6 @@ server_bench() {
 }
 want inference-server && server_bench inference-server
 want inference-server-free && server_bench inference-server-free --set trainer.lag_policy=drop
-want inference-server-acting && server_bench inference-server-acting --no-updates
 if want inference-server-free-mps; then   # each run under a daemon of its own: launch/run_local.sh --mps
   if [[ "${TANDEM_GPU_MPS:-0}" == 1 ]]; then
     echo "=== [inference-server-free-mps] skipped: TANDEM_GPU_MPS=1 already runs every step under MPS"
@@ -255,6 +254,7 @@ if want inference-server-free-mps; then   # each run under a daemon of its own: 
     server_bench inference-server-free-mps --mps --set trainer.lag_policy=drop
   fi
 fi
+want inference-server-acting && server_bench inference-server-acting --no-updates
 if want server-a0-cpu; then
   for s in ${TANDEM_A0_SEEDS:-1 2 3}; do
     step "server-a0-cpu-s$s" 150 "$PY" benchmarks/async_speedup.py --latency 0 \

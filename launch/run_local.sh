@@ -198,7 +198,7 @@ stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
     sock="$(sed -n 's/.*"unix": *"\([^"]*\)".*/\1/p' "$f")"
     if [[ "$sock" == */tandem-"$(id -u)"-*/server_*.sock ]]; then
       rm -f "$sock"
-      rmdir "$(dirname "$sock")" 2>/dev/null   # when no other run's server is in it
+      rmdir "$(dirname "$sock")" 2>/dev/null   # when no other server of this run is in it
     fi
   done
   stop_mps

@@ -230,7 +230,7 @@ class ActorsConfig:
     the others back by at most this."""
     server_queue: Annotated[int, Range(ge=1, le=100_000)] = 256
     """server: requests waiting for a batch, at most; more are answered "busy" and counted (busy), and
-    their actor sends them again 50 ms later."""
+    their actor sends them again 50-100 ms later."""
     server_splits: Annotated[int, Range(ge=1, le=16)] = 1
     """server: each actor steps its envs in this many parts, each with its own request in flight
     (double-buffered sampling): while the server acts for one part, the actor steps another, so

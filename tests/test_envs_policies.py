@@ -316,16 +316,18 @@ def test_a_gpu_simulator_with_a_cpu_policy_records_what_the_env_returned():
 
     def recording_step(action):
         out = step(action)
-        seen.append((out.reward.cpu(), out.obs.cpu()))   # blocking copies: what the env returned
+        seen.append((out.reward.clone(), out.obs.clone()))   # on the device: what the env returned
+        torch.cuda._sleep(20_000_000)   # the collector's copies queue behind this: a copy that does not wait reads early
         return out
 
     env.step = recording_step
     policy = make_policy(cfg, env.spec)                   # on the CPU
     td, _, _ = Collector(env, policy, num_steps=16, seed=0).collect(version=1)
+    torch.cuda.synchronize()
     for t, (reward, obs) in enumerate(seen):
-        assert torch.equal(td[keys.REWARD][:, t], reward)
+        assert torch.equal(td[keys.REWARD][:, t], reward.cpu())
         if t + 1 < len(seen):
-            assert torch.equal(td[keys.OBS][:, t + 1], obs)
+            assert torch.equal(td[keys.OBS][:, t + 1], obs.cpu())
 
 
 def test_normaliser_and_reward_scale_combine_exactly_over_learner_ranks():

@@ -480,7 +480,7 @@ def test_a_request_waiting_for_a_version_is_served_soon_after_it_arrives(tmp_pat
             out = actor.result(rid)
             delays.append(time.monotonic() - t0)
             assert out[keys.POLICY_VERSION].eq(v).all()
-        assert sorted(delays)[len(delays) // 2] < 0.025, delays
+        assert sorted(delays)[len(delays) // 2] < 0.05, delays   # it was 90 ms: the whole 100 ms poll
     finally:
         served.close()
 
