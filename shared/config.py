@@ -230,7 +230,8 @@ class ActorsConfig:
     the others back by at most this."""
     server_queue: Annotated[int, Range(ge=1, le=100_000)] = 256
     """server: requests waiting for a batch, at most; more are answered "busy" and counted (busy), and
-    their actor sends them again 50-100 ms later."""
+    their actor sends them again 50-100 ms later. At least what a server's actors can have waiting at
+    once (its actors x server_splits)."""
     server_splits: Annotated[int, Range(ge=1, le=16)] = 1
     """server: each actor steps its envs in this many parts, each with its own request in flight
     (double-buffered sampling): while the server acts for one part, the actor steps another, so
@@ -940,6 +941,12 @@ def _check(cfg: Config) -> list[str]:
             errors.append(f"actors.servers_per_device {a.servers_per_device}: devices {sorted(short)} have only "
                           f"{sorted(set(short.values()))} actors (actors.num_actors {a.num_actors} over "
                           f"actors.devices); every server needs one")
+        most = max(-(-n // a.servers_per_device) for n in per_device.values())   # actors of the busiest server
+        if a.server_queue < most * a.server_splits:
+            errors.append(f"actors.server_queue {a.server_queue}: a server's {most} actors can have "
+                          f"{most * a.server_splits} requests waiting at once (actors.server_splits "
+                          f"{a.server_splits} each); use at least that, or every round some would be sent back "
+                          f"as busy")
         if a.emulated_devices:
             errors.append("actors.emulated_devices and actors.inference \"server\": each server is its device's "
                           "only user (its latency is actors.inference_latency_s + _per_env_s x batch); leave it empty")

@@ -801,16 +801,17 @@ def test_a_request_never_served_expires_when_its_actor_stopped_waiting(tmp_path)
 
 def test_a_request_that_finds_the_queue_full_is_sent_again_and_served(tmp_path):
     """A full queue answers "busy"; the actor sends the request again after a pause and it is served
-    once there is room (it used to wait for its timeout, 120 s)."""
-    s = Served(tmp_path, server_queue=1)
+    once there is room (it used to wait for its timeout, 120 s). The config leaves room for every
+    actor's requests, so here one actor fills it with two (as requests a gone connection left would)."""
+    s = Served(tmp_path, server_queue=2)
     try:
         s.weights.publish(s.learner, 0)
         s.start()
         held, other = s.remote(0), s.remote(1, timeout_s=20)
-        held.min_version = 1                                  # holds the queue's one place until v1 comes
-        rid = held.submit("act", _obs(4, 0))
+        held.min_version = 1                                  # both hold their places until v1 comes
+        rids = [held.submit("act", _obs(4, 0)), held.submit("act", _obs(4, 2))]
         deadline = time.monotonic() + 5
-        while not s.server.waiting and time.monotonic() < deadline:
+        while len(s.server.waiting) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
         got = {}
         t = threading.Thread(target=lambda: got.setdefault("out", other(_obs(4, 1))), daemon=True)
@@ -821,7 +822,7 @@ def test_a_request_that_finds_the_queue_full_is_sent_again_and_served(tmp_path):
         s.weights.publish(s.learner, 1)                       # the held request is served: room again
         t.join(timeout=5)
         assert got["out"][keys.POLICY_VERSION].eq(1).all()
-        assert held.result(rid)[keys.POLICY_VERSION].eq(1).all()
+        assert all(held.result(r)[keys.POLICY_VERSION].eq(1).all() for r in rids)
     finally:
         s.close()
 
@@ -858,6 +859,9 @@ def test_the_config_refuses_what_a_server_cannot_do():
         _cfg(server_splits=3)
     with pytest.raises(ConfigError, match="server_splits 2 needs actors.inference"):
         _cfg(server_splits=2, inference="local")
+    with pytest.raises(ConfigError, match=r"server_queue 3: a server's 2 actors can have 4 requests waiting"):
+        _cfg(server_queue=3, server_splits=2)                         # two parts each: two requests each
+    assert _cfg(server_queue=4, server_splits=2).actors.server_queue == 4
     with pytest.raises(ConfigError, match="server_max_batch 3: one request holds 4 envs"):
         _cfg(server_max_batch=3)                                      # a request is never split
     assert _cfg(server_max_batch=2, server_splits=2).actors.server_max_batch == 2
