@@ -41,7 +41,7 @@
 #  11. inference-server: benchmarks/inference_server.py on the device: 8 actors x 4 envs of the 0.5B
 #      action-token model (bf16 autocast), actors.inference local (8 copies) against server (one copy,
 #      batched): env steps/s, device memory per role (nvidia-smi per process), the server's batches
-#      (issue 47); the model is built once (--prebuild) and loaded by every process, so the step needs
+#      (the inference server's 3x target); the model is built once (--prebuild) and loaded by every process, so the step needs
 #      about 3.5 minutes
 #  11b. inference-server-free: the same with trainer.lag_policy=drop: the actors run free of the learner,
 #      so env steps/s is what acting reaches beside a busy learner on the same GPU (under pace, step 11,
@@ -57,12 +57,12 @@
 #      one server reach on the device without the learner's kernels beside them, as where the learner has
 #      a GPU of its own; under pace (step 11) both modes run at the learner's rate on a shared GPU
 #      (docs/results/inference_server_h100.md). Reuses an earlier step's prebuilt model (about 2.5 minutes)
-#  11c. server-a0-cpu: no GPU used: issue 47's done-when 2 at a = 0 on the lent machine's CPU cores
+#  11c. server-a0-cpu: no GPU used: the inference server's a = 0 parity target (at least as fast as local copies) on the lent machine's CPU cores
 #      (the 2-core VM has fewer cores than the run has processes): benchmarks/async_speedup.py --latency 0
 #      with four actors sharing one device (local copies taking turns), through a server, and each on its
 #      own device, seeds $TANDEM_A0_SEEDS (default 1 2 3), one sitting (about 1 minute a seed)
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
-#      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model (issue 47)
+#      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model
 #
 # MuJoCo Warp where no registry is reachable: the warp-lang wheel (149 MB) is more than one device call
 # carries, so it travels in pieces, staged by earlier calls into $WARP_STAGE (default /tmp/warp-stage):
@@ -145,7 +145,7 @@ EOF
 }
 
 # TANDEM_GPU_MPS=1: run every step under CUDA MPS (nvidia-cuda-mps-control), so the kernels of the
-# actors and the learner on one GPU run side by side instead of time-slicing (issue 46's open question).
+# actors and the learner on one GPU run side by side instead of time-slicing: does MPS help a shared GPU?
 if [[ "${TANDEM_GPU_MPS:-0}" == 1 ]] && command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -169,7 +169,7 @@ EOF
 
 want gpu-tests && step gpu-tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py tests/test_envs_policies.py \
   tests/test_rollout_ring.py tests/test_shm_weights.py
-# issue 46's done-when 3: the update per learner.compile mode against the captured floor, the pipeline
+# the GPU targets: the update per learner.compile mode against the captured floor, the pipeline
 # against the serial runner at minibatches 4,096 and 32,768, and MuJoCo Warp at mjlab's settings
 want gpu-pipeline && step gpu-pipeline 330 "$PY" benchmarks/gpu_pipeline.py --device "$DEV" --pipeline \
   $("$PY" -c "import mujoco_warp" 2>/dev/null && echo --warp) --timeout 90 --total-steps $((4096 * 32 * 12)) \

@@ -1,4 +1,4 @@
-"""The large-model path of the action-token VLA, measured (issue 13): a ~0.5B-parameter
+"""The large-model path of the action-token VLA, measured: a ~0.5B-parameter
 PaliGemma-class model (random initialisation: no hub here) behind ``ActionTokenPolicy``.
 
     .venv/bin/python benchmarks/vla_weights.py [--size 0.5b] [--lora-r 8] [--batch 1,4] [--actors 1,2]
@@ -16,7 +16,7 @@ Reports, all measured in this run on this machine:
   training step (the action's log-prob and the value, backward, an AdamW step on what trains) under
   bfloat16 autocast: time and peak memory;
 - bytes per weights message: what :func:`shared.policies.published_state` sends with LoRA against
-  full fine-tuning (every parameter trains), and their ratio (issue 13: at most 2%);
+  full fine-tuning (every parameter trains), and their ratio (the target: at most 2%);
 - publish-to-use to 1 and 2 local actors, ZeroMQ against shared memory, for the LoRA message and the
   full model, as ratios to one in-process memory copy of the same bytes
   (``benchmarks/weights_broadcast.py`` does the timing).

@@ -123,3 +123,18 @@ def test_a_readme_without_the_headline_markers_is_refused(tmp_path):
         assert "results:headline" in str(e)
     else:
         raise AssertionError("a README without the headline markers was accepted")
+
+
+def test_no_internal_issue_numbers_where_a_user_reads():
+    """What a user reads names what a measurement is ("the inference server's 3x target"), never the
+    tracker's numbers ("issue 47", "done-when 3")."""
+    pattern = re.compile(r"issue [0-9]+|done-when", re.I)
+    hits = []
+    for top in ("docs", "benchmarks", "launch", "configs", "README.md"):
+        path = ROOT / top
+        for f in sorted(path.rglob("*") if path.is_dir() else [path]):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".png", ".pyc"):
+                for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                    if pattern.search(line):
+                        hits.append(f"{f.relative_to(ROOT)}:{n}")
+    assert hits == [], f"internal issue numbers in {hits}"
