@@ -138,3 +138,25 @@ def test_no_internal_issue_numbers_where_a_user_reads():
                     if pattern.search(line):
                         hits.append(f"{f.relative_to(ROOT)}:{n}")
     assert hits == [], f"internal issue numbers in {hits}"
+
+
+def _headings_and_lines(page: Path) -> tuple[int, int]:
+    """Headings (lines starting with '#' outside fenced code blocks) and lines of a markdown page."""
+    lines = page.read_text().splitlines()
+    fenced, headings = False, 0
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            headings += 1
+    return headings, len(lines)
+
+
+def test_long_pages_have_a_heading_every_80_lines():
+    """A page over 150 lines is read by its headings: at least one per 80 lines."""
+    thin = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        headings, n = _headings_and_lines(page)
+        if n > 150 and headings * 80 < n:
+            thin.append(f"{page.relative_to(ROOT)}: {headings} headings in {n} lines")
+    assert thin == []
