@@ -160,3 +160,14 @@ def test_long_pages_have_a_heading_every_80_lines():
         if n > 150 and headings * 80 < n:
             thin.append(f"{page.relative_to(ROOT)}: {headings} headings in {n} lines")
     assert thin == []
+
+
+def test_every_manual_page_is_in_the_index():
+    """docs/README.md links every page of the manual (results pages are indexed by docs/results/README.md)."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / t.split("#")[0]).resolve() for t in re.findall(r"\]\(([^)\s]+)\)", index.read_text())}
+    pages = [p for p in sorted((ROOT / "docs").rglob("*.md"))
+             if p != index and (ROOT / "docs" / "results") not in p.parents]
+    assert len(pages) > 10
+    missing = [str(p.relative_to(ROOT)) for p in pages if p.resolve() not in linked]
+    assert missing == [], f"docs/README.md does not link {missing}"
