@@ -4,6 +4,19 @@
 #   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--record]
 #                       [--no-eval] [--mps] [--set KEY=VALUE ...]
 #
+# This help is the one list of the launcher's flags (the manual links here):
+#   --config FILE     the run's JSON config (default configs/cartpole_ppo.json)
+#   --actors N        actor processes (actors.num_actors)
+#   --steps S         env steps to train for (trainer.total_steps)
+#   --out DIR         the run directory (default <trainer.output_dir>/<trainer.exp_name>/<date-time>/)
+#   --resume          continue the run in --out (default: the newest run of this config) from its newest
+#                     checkpoint, exactly
+#   --record          store every trained batch (trainer.record=true)
+#   --no-eval         start no evaluator process
+#   --mps             run the processes under CUDA MPS
+#   --set KEY=VALUE   override any config key (repeatable; the value is parsed as JSON, else a string)
+#   -h, --help        print this help
+#
 # With no arguments it trains PPO on CartPole-v1 (configs/cartpole_ppo.json). On first use, when
 # the project is not importable, it creates .venv/ and installs it there (torch==2.13.0 only when
 # no torch is installed, so a CUDA build you already have is kept).

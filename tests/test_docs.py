@@ -171,3 +171,29 @@ def test_every_manual_page_is_in_the_index():
     assert len(pages) > 10
     missing = [str(p.relative_to(ROOT)) for p in pages if p.resolve() not in linked]
     assert missing == [], f"docs/README.md does not link {missing}"
+
+
+def launcher_flags() -> set[str]:
+    """The options launch/run_local.sh parses: the patterns of its argument loop's case statement."""
+    script = (ROOT / "launch" / "run_local.sh").read_text()
+    loop = script[script.index('while [[ $# -gt 0 ]]; do'):script.index("done", script.index('while [[ $# -gt 0 ]]; do'))]
+    flags = set()
+    for patterns in re.findall(r"^\s*([-|\w]+)\)", loop, re.M):
+        flags |= {f for f in patterns.split("|") if f.startswith("-")}
+    return flags
+
+
+def test_launcher_flags_in_the_manual_are_flags_the_launcher_takes():
+    """Every `launch/run_local.sh --flag` in README.md and docs/ is one the script parses (its --help is the list)."""
+    flags = launcher_flags()
+    assert {"--config", "--actors", "--out", "--resume", "--set", "--help"} <= flags
+    unknown = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text().replace("\\\n", " ")          # a command continued on the next line
+        for m in re.finditer(r"run_local\.sh", text):
+            rest = text[m.end():].split("\n", 1)[0]
+            rest = re.split(r"`|\s#|;|&&|\s\|\s|\)\.?\s", rest, maxsplit=1)[0]   # the command ends there
+            for flag in re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", rest):
+                if flag not in flags:
+                    unknown.append(f"{page.relative_to(ROOT)}: run_local.sh {flag}")
+    assert unknown == [], f"not flags of launch/run_local.sh: {unknown}"
