@@ -410,9 +410,8 @@ def run_thread_variant(args, name: str = "thread") -> Result:
     learner.policy.eval()
     eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
     try:
-        # evaluate returns (returns, lengths[, successes]): only the first is used here
         returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes,
-                           seed=cfg.trainer.seed + 1_000_003)[0]
+                           seed=cfg.trainer.seed + 1_000_003).returns
     finally:
         eval_env.close()
     res.eval_return = sum(returns) / len(returns) if returns else None

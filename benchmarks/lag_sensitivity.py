@@ -128,7 +128,7 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
     learner.policy.eval()
     eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
     try:   # the evaluator process's first evaluation uses this seed
-        returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes, seed=cfg.trainer.seed + 1_000_003)[0]
+        returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes, seed=cfg.trainer.seed + 1_000_003).returns
     finally:
         eval_env.close()
     return {"seed": seed, "eval_return": sum(returns) / len(returns), "updates": learner.updates,

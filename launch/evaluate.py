@@ -121,7 +121,8 @@ def run_evaluation(cfg: Config, checkpoint: Path | None, episodes: int, batch: i
             if n != env.num_envs:
                 env.close()
                 env = make_env(cfg.env.id, n, cfg.env.cfg, device, tokenizer=tokenizer)
-            r, ln, s = evaluate(policy, env, n, seed=seed + k)
+            result = evaluate(policy, env, n, seed=seed + k)
+            r, ln, s = result.returns, result.lengths, result.successes
             if not r:
                 raise EvaluateError(f"batch {k} (seed {seed + k}) ended no episode within the env's step limit")
             returns += r

@@ -31,7 +31,7 @@ MODEL_CONFIG = {"image_size": 16, "vocab_size": VOCAB_SIZE, "proprio_dim": 4, "a
 
 def success_rate(model: TinyVLA, episodes: int, seed: int) -> float:
     policy = VLAPolicy(model, VLAConfig(model_class="shared.policies.tiny_vla.TinyVLA")).eval()
-    _, _, successes = evaluate(policy, Reach(episodes), episodes, seed=seed)
+    successes = evaluate(policy, Reach(episodes), episodes, seed=seed).successes
     return sum(successes) / max(len(successes), 1)
 
 

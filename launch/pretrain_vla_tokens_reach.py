@@ -57,7 +57,7 @@ LOCATE = max(TOKENS.values()) + 1      # the grounding prompt's verb: a token id
 @torch.no_grad()
 def success_rate(model: PaliGemmaActionTokenPolicy, episodes: int, seed: int) -> float:
     policy = VLAPolicy(model, VLAConfig(model_class=MODEL_CLASS)).eval()
-    _, _, successes = evaluate(policy, Reach(episodes), episodes, seed=seed)
+    successes = evaluate(policy, Reach(episodes), episodes, seed=seed).successes
     model.train()
     return sum(successes) / max(len(successes), 1)
 

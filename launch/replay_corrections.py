@@ -61,7 +61,7 @@ def evaluate_final(learner, episodes: int, seed: int) -> float:
     env = make_env(cfg.env.id, episodes, cfg.env.cfg, "cpu", tokenizer=instruction_tokenizer(cfg))
     try:
         policy = learner.policy.to("cpu").eval()
-        returns, _, _ = evaluate(policy, env, episodes, seed)
+        returns = evaluate(policy, env, episodes, seed).returns
     finally:
         env.close()
     return sum(returns) / len(returns)

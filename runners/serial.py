@@ -156,11 +156,11 @@ class SerialRunner:
                                       tokenizer=instruction_tokenizer(self.cfg))
         policy = self.actors[0].policy
         self.actors[0].load(self.weights.weights, self.learner.version)
-        returns, lengths, successes = evaluate(policy, self._eval_env, t.num_eval_episodes,
-                                               seed=eval_seed(t.seed, self.evaluations, t.eval_seeds))
+        result = evaluate(policy, self._eval_env, t.num_eval_episodes,
+                          seed=eval_seed(t.seed, self.evaluations, t.eval_seeds))
         self.evaluations += 1
-        meta = {"returns": returns, "lengths": lengths, "successes": successes, "version": self.learner.version,
-                "env_steps": self.learner.env_steps}
+        meta = {"returns": result.returns, "lengths": result.lengths, "successes": result.successes,
+                "version": self.learner.version, "env_steps": self.learner.env_steps}
         self.learner.log_eval(meta)
         return meta
 

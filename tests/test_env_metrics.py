@@ -112,8 +112,8 @@ def test_train_and_eval_metrics_equal_hand_computed_means(monkeypatch):
 
     # evaluation: the first episode of each env, means over the evaluated episodes
     env = MetricsEnv(5)
-    found: list[dict] = []
-    returns, lengths, _ = evaluate(lrn.policy.eval(), env, 5, seed=0, metrics=found)
+    result = evaluate(lrn.policy.eval(), env, 5, seed=0)
+    returns, lengths, found = result.returns, result.lengths, result.metrics
     firsts = [next(m for m in env.emitted if m["env"] == i) for i in range(5)]   # each env's first episode
     assert lengths == [2, 3, 4, 5, 6]
     lrn.log_eval({"returns": returns, "lengths": lengths, "version": lrn.version, "env_steps": 0,

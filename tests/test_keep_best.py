@@ -172,7 +172,7 @@ def test_evaluate_script_matches_the_evaluator_on_the_same_episodes(tmp_path):
     successes = []
     for k, n in enumerate((10, 10, 4)):
         env = make_env(cfg.env.id, n, cfg.env.cfg)
-        successes += evaluate(policy, env, n, seed=1 + HELD_OUT + k)[2]
+        successes += evaluate(policy, env, n, seed=1 + HELD_OUT + k).successes
         env.close()
     assert out["success_rate"] == pytest.approx(sum(successes) / len(successes))
     assert 0 <= out["success_ci95"] <= 1
@@ -188,8 +188,8 @@ def test_evaluate_none_is_the_policy_the_config_builds(tmp_path):
     assert base["checkpoint"] is None and base["version"] is None
     assert base["return_mean"] != after["return_mean"]     # the checkpoint's weights were loaded
     env = make_env(cfg.env.id, 20, cfg.env.cfg)
-    assert base["return_mean"] == pytest.approx(sum(evaluate(policy_for(cfg), env, 20, seed=5)[0]) / 20)
-    assert after["return_mean"] == pytest.approx(sum(evaluate(trained, env, 20, seed=5)[0]) / 20)
+    assert base["return_mean"] == pytest.approx(sum(evaluate(policy_for(cfg), env, 20, seed=5).returns) / 20)
+    assert after["return_mean"] == pytest.approx(sum(evaluate(trained, env, 20, seed=5).returns) / 20)
     env.close()
 
 

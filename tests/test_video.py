@@ -16,7 +16,8 @@ import torch
 
 av = pytest.importorskip("av", reason="needs PyAV: pip install -e '.[video]'")
 
-from learner.evaluator import VideoRecorder, evaluate  # noqa: E402
+from learner.evaluator import evaluate  # noqa: E402
+from learner.video import Frames, VideoRecorder  # noqa: E402
 from shared.config import config_from_dict  # noqa: E402
 from shared.envs import make_env  # noqa: E402
 from shared import keys  # noqa: E402
@@ -66,11 +67,11 @@ def test_evaluate_captures_each_recorded_episode_until_it_ends(frame_every, max_
     cfg = _reach_cfg()
     env = make_env(cfg.env.id, 4, cfg.env.cfg)
     policy = make_policy(cfg, env.spec).eval()
-    frames = {0: [], 2: []}
-    returns, lengths, _ = evaluate(policy, env, 4, seed=5, frames=frames, max_frames=max_frames,
-                                   frame_every=frame_every)
+    recorded = evaluate(policy, env, 4, seed=5, frames=Frames((0, 2), max_frames=max_frames, every=frame_every))
+    returns, lengths, frames = recorded.returns, recorded.lengths, recorded.frames
     plain = evaluate(policy, env, 4, seed=5)
-    assert (returns, lengths) == (plain[0], plain[1])        # recording changes nothing evaluated
+    assert (returns, lengths) == (plain.returns, plain.lengths)        # recording changes nothing evaluated
+    assert sorted(frames) == [0, 2] and plain.frames == {}
     for i in (0, 2):
         expected = min(-(-lengths[i] // frame_every), max_frames)   # steps 0, k, 2k, ... of the episode
         assert len(frames[i]) == expected
@@ -85,9 +86,9 @@ def test_recorder_choice_of_evaluations_and_files(tmp_path):
     assert [rec.wants(c, final=False) for c in range(5)] == [True, False, True, False, True]
     assert rec.wants(3, final=True)
     policy = make_policy(cfg, env.spec).eval()
-    frames = rec.buffers()
-    assert sorted(frames) == [0, 1]
-    _, lengths, _ = evaluate(policy, env, 4, seed=1, frames=frames)
+    assert rec.frames().envs == (0, 1)
+    recorded = evaluate(policy, env, 4, seed=1, frames=rec.frames())
+    frames, lengths = recorded.frames, recorded.lengths
     written = rec.write(frames, version=7, env_steps=1000)
     rec.close()
     assert [p.name for p in written] == ["eval_v7_ep0.mp4", "eval_v7_ep1.mp4"]
@@ -118,13 +119,15 @@ def _state_reach():
 
 def test_a_replay_of_the_actions_renders_the_frames_live_rendering_gives():
     cfg, env, policy = _state_reach()
-    live = {0: [], 1: []}
-    returns, lengths, _ = evaluate(policy, env, 4, seed=9, frames=live, max_frames=8, frame_every=2)
-    actions, per_env = [], {}
-    assert evaluate(policy, env, 4, seed=9, actions=actions, per_env=per_env)[:2] == (returns, lengths)
+    spec = Frames((0, 1), max_frames=8, every=2)
+    first = evaluate(policy, env, 4, seed=9, frames=spec)
+    returns, lengths, live = first.returns, first.lengths, first.frames
+    kept = evaluate(policy, env, 4, seed=9, keep_actions=True)
+    actions, per_env = kept.actions, kept.per_env
+    assert (kept.returns, kept.lengths) == (returns, lengths) and first.actions == []
     assert len(actions) == max(lengths) and per_env == dict(enumerate(returns))
-    replayed, again = {0: [], 1: []}, {}
-    evaluate(None, env, 4, seed=9, frames=replayed, max_frames=8, frame_every=2, replay=actions, per_env=again)
+    replay = evaluate(None, env, 4, seed=9, frames=spec, replay=actions)
+    replayed, again = replay.frames, replay.per_env
     for i in (0, 1):
         assert len(replayed[i]) == len(live[i]) > 1
         assert all(np.array_equal(a, b) for a, b in zip(live[i], replayed[i]))
@@ -133,7 +136,7 @@ def test_a_replay_of_the_actions_renders_the_frames_live_rendering_gives():
 
 @pytest.mark.parametrize("cpus,processes,expected", [(16, 4, "live"), (4, 4, "live"), (2, 4, "end"), (3, 5, "end")])
 def test_auto_renders_live_only_where_every_process_has_a_cpu(cpus, processes, expected):
-    from learner.evaluator import run_processes, video_when
+    from learner.video import run_processes, video_when
     cfg = config_from_dict({"actors": {"num_actors": processes - 2}}, source="test")
     assert run_processes(cfg) == processes
     assert video_when(cfg, cpus) == expected
@@ -148,11 +151,10 @@ def test_deferred_evaluations_are_rendered_after_training_and_a_diverged_replay_
     rec = VideoRecorder(cfg, str(tmp_path), env, cpus=1)
     assert rec.when == "end" and rec.defers(0, final=False) and not rec.defers(1, final=False)
     assert not rec.defers(0, final=True)                     # the final evaluation renders at once
-    live = rec.buffers()
-    evaluate(policy, env, 4, seed=4, frames=live)
+    live = evaluate(policy, env, 4, seed=4, frames=rec.frames()).frames
     for version, shift in ((3, 0.0), (5, 0.7)):
-        actions, per_env = [], {}
-        evaluate(policy, env, 4, seed=4, actions=actions, per_env=per_env)
+        kept = evaluate(policy, env, 4, seed=4, keep_actions=True)
+        actions, per_env = kept.actions, kept.per_env
         rec.defer(4, version, 100 * version, [a + shift for a in actions] if shift else actions, per_env)
     assert rec.pending_frames() == 2 * 2 * cfg.trainer.video.max_frames
     written = rec.render_deferred(env)
@@ -184,6 +186,7 @@ def test_a_gymnasium_mujoco_env_renders_frames(tmp_path):
     code = f"""
 import numpy as np, torch
 from learner.evaluator import evaluate
+from learner.video import Frames
 from shared.config import config_from_dict
 from shared.envs import make_env
 from shared.policies import make_policy
@@ -191,13 +194,12 @@ from shared.video import read_mp4, write_mp4
 cfg = config_from_dict({{"env": {{"id": "HalfCheetah-v5", "cfg": {{"max_episode_steps": 6, "width": 64, "height": 48}}}}}},
                        source="t")
 env = make_env(cfg.env.id, 2, cfg.env.cfg, render=True)
-frames = {{1: []}}
 policy = make_policy(cfg, env.spec).eval()
-_, lengths, _ = evaluate(policy, env, 2, seed=0, frames=frames)
+recorded = evaluate(policy, env, 2, seed=0, frames=Frames((1,)))
+frames, lengths = recorded.frames, recorded.lengths
 v = read_mp4(write_mp4({str(tmp_path / 'hc.mp4')!r}, frames[1]))
-actions, replayed = [], {{1: []}}
-evaluate(policy, env, 2, seed=0, actions=actions)
-evaluate(None, env, 2, seed=0, frames=replayed, replay=actions)   # trainer.video.when "end"
+actions = evaluate(policy, env, 2, seed=0, keep_actions=True).actions
+replayed = evaluate(None, env, 2, seed=0, frames=Frames((1,)), replay=actions).frames   # trainer.video.when "end"
 assert len(replayed[1]) == len(frames[1]) and all(np.array_equal(a, b) for a, b in zip(frames[1], replayed[1]))
 print(lengths[1], v.shape, float(v.std()))
 """
@@ -240,11 +242,11 @@ def test_launcher_run_writes_videos_that_decode(tmp_path, when):
 
 
 def test_a_long_run_keeps_a_bounded_spread_of_deferred_evaluations():
-    from learner.evaluator import MAX_DEFERRED
+    from learner.video import MAX_DEFERRED
     cfg, env, policy = _state_reach()
     rec = VideoRecorder(cfg, None, env, cpus=1)
-    actions, per_env = [], {}
-    evaluate(policy, env, 4, seed=4, actions=actions, per_env=per_env)
+    kept = evaluate(policy, env, 4, seed=4, keep_actions=True)
+    actions, per_env = kept.actions, kept.per_env
     for version in range(40):
         rec.defer(4, version, 1000 * version, actions, per_env)
         assert len(rec.deferred) <= MAX_DEFERRED
