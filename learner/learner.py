@@ -9,6 +9,7 @@ The whole data flow of the learner is wired here::
 
 One object per role: :class:`~learner.ingest.Intake` (validation), :class:`~learner.batching.Batcher`
 (buffer and batches), the algorithm (:class:`~learner.ppo.PPO` or :class:`~learner.grpo.GRPO`),
+run on each batch by :class:`~learner.training.Training`,
 :class:`~learner.weights_out.WeightsOut`, :class:`~learner.counters.RunCounters`,
 :class:`~learner.update_log.UpdateLog` and :class:`~learner.checkpoint.Checkpoints`. ``Learner`` holds
 the policy, the optimiser and the version, and wires the rest; ``learner/process.py`` adds the sockets.
@@ -40,14 +41,13 @@ from learner.fast_epochs import MinibatchStep, capturable_policy, resolve_mode
 from learner.grpo import GRPO
 from learner.ingest import Intake, RejectedMessage  # noqa: F401 (RejectedMessage: re-exported)
 from learner.logs import RunLogger
-from learner.minibatch import EpochHooks
 from learner.ppo import PPO
 from learner.record import BatchRecorder
+from learner.training import Training
 from learner.update_log import UpdateLog
 from learner.weights_out import ListPublisher, Publisher, WeightsOut  # noqa: F401 (re-exported)
 from shared import keys
 from shared.config import Config
-from shared.console import say
 from shared.envs import EnvSpec, env_spec
 from shared.policies import frozen_digest, has_critic, make_policy, observation_bounds, published_state, weights_digest
 from shared.rollout import rollout_template, sends_bootstrap_obs
@@ -119,8 +119,9 @@ class Learner:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.cpu = CpuThreads(cfg, self.policy, ranks, batch_waiting=lambda: self.standard or len(self.batcher) >= self.k)
         self.stats = RunCounters(cfg.actors.num_actors)   # shared with the receiver thread, one lock
-        self.algorithm = make_algorithm(cfg, self.spec, self.policy, self.optimizer, self.generator, self.device,
-                                        self.k, self.stats.count, self.cpu, ranks)
+        self.training = Training(cfg, self.policy, self.optimizer, make_algorithm(
+            cfg, self.spec, self.policy, self.optimizer, self.generator, self.device, self.k, self.stats.count,
+            self.cpu, ranks), self.cpu, self.stats, ranks)
         self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size,
                                          with_value=has_critic(self.policy),
                                          with_bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
@@ -135,7 +136,6 @@ class Learner:
         self.curve = None                            # a shared.security.CurveServer, set by the learner process
         self.peer_env_steps = 0                      # env steps the other learner ranks received
         self.peer_finished: list[int] | None = None  # their per-actor consumed/dropped counts
-        self._ddp = None
         self._digests = (self.run_dir / "ranks" / f"rank{ranks.rank if ranks else 0}.jsonl"
                          if cfg.learner.rank_digests and self.run_dir is not None else None)
         self.recorder = BatchRecorder(self.run_dir / "record") if t.record and self.run_dir is not None else None
@@ -159,6 +159,9 @@ class Learner:
                              base_digest=self.base_digest, incarnation=self.incarnation,
                              obs_bounds=observation_bounds(self.policy))
 
+    algorithm = property(lambda self: self.training.algorithm,
+                         lambda self, value: setattr(self.training, "algorithm", value),
+                         doc="The run's PPO or GRPO (``Training``'s).")
     publisher = property(lambda self: self.weights_out.publisher,
                          lambda self, value: setattr(self.weights_out, "publisher", value),
                          doc="Where weights messages go (``WeightsOut``'s publisher).")
@@ -264,7 +267,8 @@ class Learner:
         if self.recorder is not None:
             self.recorder.write(data, infos, reward_std, self.updates + 1, self.version)
         flat = data.to(self.device).reshape(-1, data.shape[-1])   # [k*N, T]; GRPO groups stay within a rollout
-        stats = self._train(flat, lags, reward_std)
+        stats = self.training.run(flat, lags, reward_std, env_steps_trained=self.env_steps_trained,
+                                  update=self.updates + 1, should_stop=self.stop_requested)
         if self.recorder is not None and self.cpu.idle_threads is not None:
             self.recorder.write_threads(self.updates + 1, self.cpu.schedule)
         self.skips.note(stats, self.updates + 1, self.version)
@@ -291,44 +295,6 @@ class Learner:
                                weights_asks=getattr(self.weights_out.publisher, "asks", None))
         self.batcher.wait_s = 0.0
         return stats
-
-    def _train(self, flat: TensorDictBase, lags: torch.Tensor, reward_std: float | None) -> dict[str, float]:
-        """The algorithm's prepare and update on `flat` ``[B, T]``, with the CPU-thread hooks."""
-        a = self.cfg.algorithm.cfg
-        if a.anneal_lr:
-            frac = max(0.0, 1.0 - self.env_steps_trained / self.cfg.trainer.total_steps)
-            for g in self.optimizer.param_groups:
-                if torch.is_tensor(g["lr"]):   # a captured step reads it from the device: fill in place
-                    g["lr"].fill_(a.learning_rate * frac)
-                else:
-                    g["lr"] = a.learning_rate * frac
-        self.policy.train()
-        with self.cpu.update() as widen:
-            hooks = EpochHooks(sync_mean=self._sync_mean, side_when=self.cpu.critic_when, before_minibatch=widen,
-                               should_stop=self.stop_requested if self.ranks is None else None)
-            prepared = self.algorithm.prepare(flat, lags, reward_std)
-            stats = self.algorithm.update(flat, self._update_policy(), hooks)
-            stats.update(prepared)
-        if widen is not None:
-            stats["idle_threads_share"] = self.cpu.wide_share()
-        if stats.get("stopped"):
-            self.stats.count("updates_cut_short")
-            say(f"[learner] stop requested: update {self.updates + 1} cut short after {int(stats['steps'])} "
-                f"optimiser steps ({int(stats['epochs'])} of {a.n_epochs} epochs begun)")
-        return stats
-
-    def _update_policy(self):
-        """The policy the update loops train: wrapped in DDP when there are several learner ranks."""
-        if self.ranks is None:
-            return self.policy
-        if self._ddp is None:
-            from learner.distributed import DDPPolicy
-            find_unused = self.algorithm.name == "grpo" or self.cfg.policy.name == "vla"
-            self._ddp = DDPPolicy(self.policy, self.ranks, find_unused=find_unused)
-        return self._ddp
-
-    def _sync_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.ranks is None else self.ranks.all_reduce_sum(t) / self.ranks.world
 
     def _write_digest(self) -> None:
         """rank_digests: this rank's weights after the update, as a SHA-256 (ranks must agree)."""
