@@ -291,26 +291,9 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
 
 # ================================================================== thread variant
 
-def run_thread_variant(args, name: str = "thread") -> Result:
-    """The seed framework's design in this process: one collector thread and the training thread
-    share one policy object under a lock (see the module docstring)."""
-    import torch
+def _locked_policy(policy, lock: threading.Lock, latency: float):
+    """`policy` as the thread variant's collector sees it, behind `lock` (the one device)."""
     from torch import nn
-
-    from actors.rollout import Collector, sends_bootstrap_obs
-    from shared.rollout import RolloutMeta, actor_seed
-    from learner.evaluator import evaluate
-    from learner.learner import Learner, ListPublisher, learner_threads
-    from shared.config import load_config
-    from shared.envs import make_env
-
-    label, buffer_type, actors, kind = VARIANTS[name]
-    res = Result(name, label, kind, buffer_type, actors)
-    cfg = load_config(args.config, variant_overrides(args, VARIANTS[name]))
-    torch.set_num_threads(learner_threads(cfg))   # as the learner and actor processes do
-    lock = threading.Lock()
-    # the lock is the one device: its latency for a call on all of the collector's envs
-    latency = cfg.actors.inference_latency_s + cfg.actors.inference_latency_per_env_s * cfg.actors.num_envs
 
     class LockedPolicy(nn.Module):
         """The one shared policy, as the collector sees it: every call holds the lock, and the
@@ -335,16 +318,14 @@ def run_thread_variant(args, name: str = "thread") -> Result:
             with lock:
                 return self.policy.get_value(td)
 
-    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
-    seed = actor_seed(cfg, 0)                   # actor 0's seed, as actors.actor.Actor seeds itself
-    torch.manual_seed(seed)
-    env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, cfg.learner.device)
-    collector = Collector(env, LockedPolicy(learner.policy), cfg.trainer.buffer_size, seed=seed,
-                          inference_latency_s=0.0,   # the wrapper sleeps, under the lock
-                          bootstrap_obs=sends_bootstrap_obs(cfg, True))
-    stop = threading.Event()
-    errors: list[Exception] = []
-    times: dict[str, float] = {}
+    return LockedPolicy(policy)
+
+
+def _start_collector(learner, collector, lock: threading.Lock, stop: threading.Event, errors: list[Exception],
+                     times: dict[str, float]) -> threading.Thread:
+    """The thread variant's collector thread, started: rollouts into `learner` until `stop` or the
+    run's end; a failure goes to `errors` and sets `stop`; first collection and ingest in `times`."""
+    from shared.rollout import RolloutMeta
 
     def collect_loop() -> None:
         seq = 0
@@ -363,28 +344,83 @@ def run_thread_variant(args, name: str = "thread") -> Result:
             stop.set()
 
     thread = threading.Thread(target=collect_loop, name="collector", daemon=True)
+    thread.start()
+    return thread
+
+
+def _train_while_collecting(args, label: str, learner, lock: threading.Lock, stop: threading.Event
+                            ) -> tuple[list[int], list[float], float | None, float]:
+    """The thread variant's training thread (this one): an update, under `lock`, whenever a batch is
+    in. Returns the lags trained on, each update's seconds, when the last update ended and when
+    training ended (``time.perf_counter``)."""
     lags: list[int] = []
     update_s: list[float] = []
     last_update = None
-    join_s = 2 * cfg.trainer.buffer_size * (latency + 0.05) + 30.0   # one rollout in progress, then it stops
-    thread.start()
+    deadline = time.monotonic() + args.timeout
+    while not stop.is_set() and not learner.finished:
+        if time.monotonic() > deadline:
+            raise BenchmarkError(f"{label}: not finished within --timeout {args.timeout:.0f} s "
+                                 f"({learner.env_steps} of {learner.cfg.trainer.total_steps} env steps)")
+        batch = learner.take_batch(timeout_s=0.05)
+        if batch is None:
+            continue
+        data, infos = batch
+        with lock:
+            lags += [learner.version - int(i["policy_version"]) for i in infos]
+            t = time.perf_counter()
+            learner.update_once(data, infos)
+            last_update = time.perf_counter()
+            update_s.append(last_update - t)
+    return lags, update_s, last_update, time.perf_counter()
+
+
+def _final_eval_return(learner, cfg) -> float | None:
+    """The mean return of the deterministic policy on ``trainer.num_eval_episodes`` episodes, from the
+    seed of the evaluator process's first evaluation (trainer.seed + 1_000_003 + count, count 0)."""
+    from learner.evaluator import evaluate
+    from shared.envs import make_env
+    learner.policy.eval()
+    eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
     try:
-        deadline = time.monotonic() + args.timeout
-        while not stop.is_set() and not learner.finished:
-            if time.monotonic() > deadline:
-                raise BenchmarkError(f"{label}: not finished within --timeout {args.timeout:.0f} s "
-                                     f"({learner.env_steps} of {cfg.trainer.total_steps} env steps)")
-            batch = learner.take_batch(timeout_s=0.05)
-            if batch is None:
-                continue
-            data, infos = batch
-            with lock:
-                lags += [learner.version - int(i["policy_version"]) for i in infos]
-                t = time.perf_counter()
-                learner.update_once(data, infos)
-                last_update = time.perf_counter()
-                update_s.append(last_update - t)
-        end = time.perf_counter()
+        returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes,
+                           seed=cfg.trainer.seed + 1_000_003).returns
+    finally:
+        eval_env.close()
+    return sum(returns) / len(returns) if returns else None
+
+
+def run_thread_variant(args, name: str = "thread") -> Result:
+    """The seed framework's design in this process: one collector thread and the training thread
+    share one policy object under a lock (see the module docstring)."""
+    import torch
+
+    from actors.rollout import Collector, sends_bootstrap_obs
+    from shared.rollout import actor_seed
+    from learner.learner import Learner, ListPublisher, learner_threads
+    from shared.config import load_config
+    from shared.envs import make_env
+
+    label, buffer_type, actors, kind = VARIANTS[name]
+    res = Result(name, label, kind, buffer_type, actors)
+    cfg = load_config(args.config, variant_overrides(args, VARIANTS[name]))
+    torch.set_num_threads(learner_threads(cfg))   # as the learner and actor processes do
+    lock = threading.Lock()
+    # the lock is the one device: its latency for a call on all of the collector's envs
+    latency = cfg.actors.inference_latency_s + cfg.actors.inference_latency_per_env_s * cfg.actors.num_envs
+    learner = Learner(cfg, run_dir=None, publisher=ListPublisher())
+    seed = actor_seed(cfg, 0)                   # actor 0's seed, as actors.actor.Actor seeds itself
+    torch.manual_seed(seed)
+    env = make_env(cfg.env.id, cfg.actors.num_envs, cfg.env.cfg, cfg.learner.device)
+    collector = Collector(env, _locked_policy(learner.policy, lock, latency), cfg.trainer.buffer_size, seed=seed,
+                          inference_latency_s=0.0,   # the wrapper sleeps, under the lock
+                          bootstrap_obs=sends_bootstrap_obs(cfg, True))
+    stop = threading.Event()
+    errors: list[Exception] = []
+    times: dict[str, float] = {}
+    join_s = 2 * cfg.trainer.buffer_size * (latency + 0.05) + 30.0   # one rollout in progress, then it stops
+    thread = _start_collector(learner, collector, lock, stop, errors, times)
+    try:
+        lags, update_s, last_update, end = _train_while_collecting(args, label, learner, lock, stop)
     finally:
         learner.accepting = False      # as the learner process: later rollouts are not counted
         stop.set()
@@ -406,15 +442,7 @@ def run_thread_variant(args, name: str = "thread") -> Result:
     if update_s:
         res.update_s_mean = sum(update_s) / len(update_s)
         res.update_total_s = sum(update_s)
-    # The evaluator process's first evaluation uses this seed (trainer.seed + 1_000_003 + count, count 0).
-    learner.policy.eval()
-    eval_env = make_env(cfg.env.id, cfg.trainer.num_eval_episodes, cfg.env.cfg, "cpu")
-    try:
-        returns = evaluate(learner.policy, eval_env, cfg.trainer.num_eval_episodes,
-                           seed=cfg.trainer.seed + 1_000_003).returns
-    finally:
-        eval_env.close()
-    res.eval_return = sum(returns) / len(returns) if returns else None
+    res.eval_return = _final_eval_return(learner, cfg)
     return res
 
 
@@ -533,7 +561,7 @@ def aggregate(docs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/async_speedup.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
@@ -563,15 +591,20 @@ def main(argv: list[str] | None = None) -> int:
                         "dir, deleted)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every variant, applied before the benchmark's own (repeatable)")
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--aggregate"]:
-        if len(argv) < 2:
-            print("usage: benchmarks/async_speedup.py --aggregate RUN.json [RUN.json ...]", file=sys.stderr)
-            return 2
-        print(aggregate([json.loads(Path(f).read_text()) for f in argv[1:]]))
-        return 0
-    args = p.parse_args(argv)
+    return p
+
+
+def _aggregate_files(files: list[str]) -> int:
+    """``--aggregate RUN.json ...``: the table over several runs."""
+    if not files:
+        print("usage: benchmarks/async_speedup.py --aggregate RUN.json [RUN.json ...]", file=sys.stderr)
+        return 2
+    print(aggregate([json.loads(Path(f).read_text()) for f in files]))
+    return 0
+
+
+def _checked_variants(p: argparse.ArgumentParser, args) -> list[str]:
+    """The variants to run, in the table's order; options that do not fit end with the parser's error."""
     if (args.latency < 0 or args.latency_per_env < 0 or args.steps < 1 or args.num_envs < 1 or args.buffer_size < 1
             or args.max_lag < 0):
         p.error("--latency, --latency-per-env and --max-lag must be >= 0; --steps, --num-envs and --buffer-size "
@@ -586,15 +619,11 @@ def main(argv: list[str] | None = None) -> int:
         if uneven:
             p.error(f"--buffer-size {args.buffer_size} is not a multiple of the number of actors of "
                     f"{', '.join(uneven)} (--per-update actors splits it over the actors)")
-    args.config = args.config.resolve()
+    return names
 
-    from shared.config import ConfigError, load_config
-    try:   # check every variant's config here, so a typo fails in a second and names the key
-        cfgs = {n: load_config(args.config, variant_overrides(args, VARIANTS[n])) for n in names}
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    cfg = cfgs[names[0]]
+
+def _print_plan(args, names: list[str], cfg) -> None:
+    """What the variants will train, and on what machine."""
     if any(VARIANTS[n].equal for n in names):
         per_update = EQUAL_ACTORS * args.num_envs * args.buffer_size
         print(f"[async] {args.config.name}: {cfg.env.id}, {args.steps:,} env steps; equal hardware: "
@@ -618,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
         print("[async] note: the machine is not idle; other processes share the cores and skew the figures",
               flush=True)
 
+
+def _run_variants(args, names: list[str]) -> list[Result] | None:
+    """Every variant in turn (a failed one is a result with its error); None when interrupted."""
     signal.signal(signal.SIGINT, raise_on_signal)
     signal.signal(signal.SIGTERM, raise_on_signal)
     tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-async-")
@@ -644,11 +676,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"(took {time.monotonic() - t:.0f} s)", flush=True)
     except KeyboardInterrupt:
         print("[async] interrupted: children stopped", file=sys.stderr)
-        return 130
+        return None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    return results
 
+
+def _report(results: list[Result]) -> tuple[list, dict]:
+    """The tables and the key ratios, printed; returns the equal-hardware rows and the key ratios."""
     by = {r.name: r for r in results if not r.error}
     base = by.get("standard1")
     for r in by.values():
@@ -670,10 +706,16 @@ def main(argv: list[str] | None = None) -> int:
         for r in parts:
             print(f"  {r.label:<10}  start-up {r.startup_s:5.1f}  window {r.window_s:5.1f}  "
                   f"end {r.wall_s - r.startup_s - r.window_s:5.1f}  = wall {r.wall_s:5.1f}")
+    print()
+    key = _key_ratios(by, base)
+    print("final deterministic eval return: " + " | ".join(f"{r.label} {_f(r.eval_return, '.1f')}" for r in results))
+    return equal, key
 
+
+def _key_ratios(by: dict[str, Result], base: Result | None) -> dict[str, float | None]:
+    """vla-4's speed-ups over standard-1 and over the thread variant, printed against their targets."""
     vla4, thread = by.get("vla4"), by.get("thread")
     key = {}
-    print()
     if vla4 is not None and base is not None:
         key["vla4_over_standard1"] = _ratio(base.wall_s, vla4.wall_s)
         key["vla4_over_standard1_window"] = _ratio(base.window_s, vla4.window_s)
@@ -691,22 +733,50 @@ def main(argv: list[str] | None = None) -> int:
               f"{_f(key['vla4_over_thread_window'], '.2f')}x on window s")
     else:
         print("vla-4 vs thread speed-up = n/a (needs vla4 and thread)")
-    print("final deterministic eval return: " + " | ".join(f"{r.label} {_f(r.eval_return, '.1f')}" for r in results))
+    return key
 
+
+def _write_json(args, cfg, names: list[str], results: list[Result], equal: list, key: dict) -> None:
+    """--json: the run's settings, every result, the equal-hardware rows and the key ratios."""
+    doc = {"config": str(args.config), "env": cfg.env.id, "latency_s": args.latency,
+           "latency_per_env_s": args.latency_per_env, "seed": cfg.trainer.seed, "steps": args.steps,
+           "num_envs": args.num_envs, "buffer_size": args.buffer_size, "per_update": args.per_update,
+           "max_policy_lag": args.max_lag,
+           "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
+           "overrides": {n: variant_overrides(args, VARIANTS[n]) for n in names},
+           "results": [asdict(r) for r in results], "equal": equal,
+           "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
+           "machine": machine_info(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"[async] results written to {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--aggregate"]:
+        return _aggregate_files(argv[1:])
+    args = p.parse_args(argv)
+    names = _checked_variants(p, args)
+    args.config = args.config.resolve()
+
+    from shared.config import ConfigError, load_config
+    try:   # check every variant's config here, so a typo fails in a second and names the key
+        cfgs = {n: load_config(args.config, variant_overrides(args, VARIANTS[n])) for n in names}
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    cfg = cfgs[names[0]]
+    _print_plan(args, names, cfg)
+    results = _run_variants(args, names)
+    if results is None:
+        return 130
+    equal, key = _report(results)
     if args.json:
-        doc = {"config": str(args.config), "env": cfg.env.id, "latency_s": args.latency,
-               "latency_per_env_s": args.latency_per_env, "seed": cfg.trainer.seed, "steps": args.steps,
-               "num_envs": args.num_envs, "buffer_size": args.buffer_size, "per_update": args.per_update,
-               "max_policy_lag": args.max_lag,
-               "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
-               "overrides": {n: variant_overrides(args, VARIANTS[n]) for n in names},
-               "results": [asdict(r) for r in results], "equal": equal,
-               "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
-               "machine": machine_info(),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"[async] results written to {args.json}")
+        _write_json(args, cfg, names, results, equal, key)
     return 1 if any(r.error for r in results) else 0
 
 
