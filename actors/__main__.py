@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shared.config import ConfigError, load_config
 from shared.console import dump_stacks_on_signal
+from shared.envs.options import check_env_config
 from shared.transport import read_endpoints
 
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[actor {args.actor_id}] %(message)s")
     try:
         cfg = load_config(args.config, args.set)
+        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_actor_process(cfg, args.actor_id, endpoints, device=args.device,
                                  learner_timeout_s=args.learner_timeout, lock_dir=args.run_dir or path.parent)
-    except KeyFileError as e:
+    except (KeyFileError, ConfigError) as e:
         print(f"actor {args.actor_id}: {e}", file=sys.stderr)
         return 2
     except WireError as e:   # actors.rollout_transport "ring": no ring, or not this run's (shared/rollout_ring.py)

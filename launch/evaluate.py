@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from learner.checkpoint import list_checkpoints, load_checkpoint, load_policy_tensors_  # noqa: E402
 from learner.evaluator import evaluate  # noqa: E402
 from shared.config import Config, ConfigError, load_config  # noqa: E402
-from shared.envs import make_env  # noqa: E402
+from shared.envs import check_env_config, make_env  # noqa: E402
 from shared.instructions import instruction_tokenizer  # noqa: E402
 from shared.policies import frozen_digest, make_policy  # noqa: E402
 
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if config is None:
             raise EvaluateError("give a run directory or --config")
         cfg = load_config(config, args.set)
+        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
         checkpoint = resolve_checkpoint(args.run_dir, args.checkpoint)
         seed = args.seed if args.seed is not None else cfg.trainer.seed + HELD_OUT
         print(f"[evaluate] {checkpoint or 'no checkpoint (the policy the config builds)'} | {cfg.env.id} | "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shared.config import ConfigError, load_config
 from shared.console import dump_stacks_on_signal
+from shared.envs.options import check_env_config
 
 
 def default_run_dir(cfg) -> Path:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[learner] %(message)s")
     try:
         cfg = load_config(args.config, args.set)
+        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_learner_process(cfg, args.run_dir or default_run_dir(cfg), resume=args.resume,
                                    evaluator=not args.no_eval, discard=args.discard)
-    except (FileNotFoundError, KeyFileError) as e:
+    except (FileNotFoundError, KeyFileError, ConfigError) as e:   # ConfigError: e.g. the model's vocabulary
         print(e, file=sys.stderr)
         return 2
 

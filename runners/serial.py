@@ -40,7 +40,7 @@ from learner.learner import Learner
 from learner.logs import RunLogger
 from shared.config import Config, ConfigError, load_config, save_config
 from shared.console import say
-from shared.envs import make_env
+from shared.envs import check_env_config, make_env
 from shared.instructions import instruction_tokenizer
 from shared.policies import has_critic, load_weights_, make_policy
 from shared.rollout import RolloutMeta, actor_seed, group_seeds, sends_bootstrap_obs
@@ -200,11 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[serial] %(message)s")
     try:
         cfg = load_config(args.config, args.set + ([f"trainer.total_steps={args.steps}"] if args.steps else []))
+        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    result = SerialRunner(cfg, args.out).run()
+    try:
+        runner = SerialRunner(cfg, args.out)
+    except ConfigError as e:   # e.g. a tokenizer that is not the model's
+        print(e, file=sys.stderr)
+        return 2
+    result = runner.run()
     say(f"[serial] done: eval return {result.get('eval/return_mean', float('nan')):.1f} at version "
         f"{result.get('version')}" + (f"; run directory {args.out}" if args.out else ""))
     return 0

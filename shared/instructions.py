@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.config import ConfigError
+
 if TYPE_CHECKING:
     from shared.config import Config
     from shared.envs.base import EnvSpec
@@ -36,8 +38,11 @@ TOKENIZER_FILE = "tokenizer.json"
 TEXT = "text"
 
 
-class InstructionError(ValueError):
-    """A tokenizer that cannot be used, an instruction too long for the env, or mismatched vocabularies."""
+class InstructionError(ConfigError):
+    """A tokenizer that cannot be used, an instruction too long for the env, or mismatched vocabularies.
+
+    A :class:`~shared.config.ConfigError`: each process's entry point prints it as one message (the
+    file, the key, what to set), not as a traceback."""
 
 
 class InstructionTokenizer:
@@ -156,8 +161,20 @@ def instruction_tokenizer(cfg: Config) -> InstructionTokenizer | None:
         model_path = cfg.policy.vla_config.model_path if cfg.policy.vla_config else ""
         raise InstructionError(f"{cfg.source}: env.cfg asks for text instructions, which are tokenized with the "
                                f"model's tokenizer, but there is none: no {TOKENIZER_FILE} in "
-                               f"vla_config.model_path {model_path!r}, and vla_config.tokenizer is not set")
+                               f"vla_config.model_path {model_path!r}, and vla_config.tokenizer is not set. Save "
+                               f"the tokenizer beside the weights (tokenizer.save_pretrained(dir)), set "
+                               f"policy.vla_config.tokenizer to a {TOKENIZER_FILE}, or {_ids_instead(cfg)}")
     return InstructionTokenizer(path)
+
+
+def _ids_instead(cfg: Config) -> str:
+    """How this env gives instructions without a tokenizer (the last way out of a missing one)."""
+    if cfg.env.id == "tandem/Reach-v0":
+        return ("give Reach's own instruction ids instead: env.cfg.instructions \"ids\" with "
+                "env.cfg.instruction_length 4 (--set env.cfg.instructions=ids --set env.cfg.instruction_length=4)")
+    if cfg.env.id.startswith("maniskill/"):
+        return "give env.cfg.instruction as a list of the model's token ids, without env.cfg.instruction_length"
+    return "configure the env to give no text instructions"
 
 
 def check_instruction_vocabulary(cfg: Config, spec: EnvSpec, policy) -> None:

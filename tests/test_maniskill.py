@@ -124,7 +124,7 @@ def test_a_text_instruction_is_the_model_tokenizers_ids(tmp_path):
         make_env("maniskill/PickCube-v1", 1, {**cfg, "instruction": [5, 6]})
 
 
-@pytest.mark.parametrize("cfg, match", [({"obs_modes": "state"}, "unknown env.cfg key"),
+@pytest.mark.parametrize("cfg, match", [({"obs_modes": "state"}, "env.cfg.obs_modes: unknown key"),
                                         ({"obs_mode": "pointcloud"}, "obs_mode"),
                                         ({"sim_backend": "warp"}, "sim_backend"),
                                         ({"instruction": "pick"}, "instruction"),

@@ -177,5 +177,5 @@ def test_reach_rotate_groups_share_the_scene_and_rotate_the_instruction(group):
 
 def test_reach_rejects_an_unknown_group_goals():
     from shared.envs.reach import Reach
-    with pytest.raises(ValueError, match="group_goals='mixed' must be 'same' or 'rotate'"):
+    with pytest.raises(ValueError, match="env.cfg.group_goals: expected one of 'same' \\| 'rotate', got 'mixed'"):
         Reach(4, group_goals="mixed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shared.envs.base import ActionSpec, BatchedEnv, EnvSpec, StepResult
+from shared.envs.options import EnvConfigError, check_env_config, env_options
 
 TORCH_NATIVE_PREFIX = "tandem/"
 MANISKILL_PREFIX = "maniskill/"   # ManiSkill3 tasks (shared/envs/maniskill.py; launch/setup_maniskill.sh)
@@ -21,7 +22,11 @@ def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
     videos); torch-native envs that can render always can.
     `tokenizer`: the model's instruction tokenizer (``shared/instructions.py``), for envs configured to
     give text instructions; envs that give none ignore it.
+
+    Raises:
+        EnvConfigError: `env_kwargs` that the env's declared options (``shared/envs/options.py``) refuse.
     """
+    env_options(env_id, env_kwargs)
     if env_id.startswith(TORCH_NATIVE_PREFIX):
         from shared.envs.torch_envs import make_torch_env
         return make_torch_env(env_id[len(TORCH_NATIVE_PREFIX):], num_envs, env_kwargs or {}, device, tokenizer)
@@ -35,7 +40,12 @@ def make_env(env_id: str, num_envs: int, env_kwargs: dict | None = None,
 
 def env_spec(env_id: str, env_kwargs: dict | None = None) -> EnvSpec:
     """The :class:`EnvSpec` of ``env_id``: from the env's description where it has one (a GPU
-    simulator is then not built at all), else from one env built on the CPU and closed."""
+    simulator is then not built at all), else from one env built on the CPU and closed.
+
+    Raises:
+        EnvConfigError: `env_kwargs` that the env's declared options (``shared/envs/options.py``) refuse.
+    """
+    env_options(env_id, env_kwargs)
     if env_id.startswith(TORCH_NATIVE_PREFIX):
         from shared.envs.torch_envs import torch_env_spec
         spec = torch_env_spec(env_id[len(TORCH_NATIVE_PREFIX):], env_kwargs or {})
@@ -51,4 +61,5 @@ def env_spec(env_id: str, env_kwargs: dict | None = None) -> EnvSpec:
         env.close()
 
 
-__all__ = ["ActionSpec", "BatchedEnv", "EnvSpec", "StepResult", "env_spec", "make_env"]
+__all__ = ["ActionSpec", "BatchedEnv", "EnvConfigError", "EnvSpec", "StepResult", "check_env_config", "env_spec",
+           "make_env"]

@@ -48,9 +48,6 @@ from shared.metrics import clean_metrics
 
 PREFIX = "maniskill/"
 SETUP = "launch/setup_maniskill.sh"
-_KEYS = {"obs_mode", "control_mode", "reward_mode", "max_episode_steps", "sim_backend", "image_size", "camera",
-         "instruction", "state_key", "sim_kwargs", "terminate_on_success",
-         "instruction_length"}
 
 
 def vulkan_dir() -> Path:
@@ -167,47 +164,24 @@ class ManiSkillEnv:
 
     def __init__(self, task: str, num_envs: int, cfg: dict | None = None, device: str | torch.device = "cpu",
                  render: bool = False, tokenizer=None):
+        from shared.envs.options import env_options
         cfg = dict(cfg or {})
-        unknown = sorted(set(cfg) - _KEYS)
-        if unknown:
-            raise ValueError(f"maniskill/{task}: unknown env.cfg key(s) {unknown}; allowed: {sorted(_KEYS)}")
+        o = env_options(f"maniskill/{task}", cfg)   # every key, type and rule: shared/envs/options.py
         self.task, self.num_envs = task, num_envs
-        self.obs_mode = cfg.get("obs_mode", "state")
-        if self.obs_mode not in ("state", "rgb"):
-            raise ValueError(f"maniskill/{task}: env.cfg.obs_mode={self.obs_mode!r}; choose 'state' or 'rgb'")
+        self.obs_mode = o.obs_mode
         want = torch.device(device)
-        backend = cfg.get("sim_backend", "physx_cuda" if want.type == "cuda" else "physx_cpu")
-        if backend not in ("physx_cpu", "physx_cuda"):
-            raise ValueError(f"maniskill/{task}: env.cfg.sim_backend={backend!r}; choose 'physx_cpu' or 'physx_cuda'")
-        instr = cfg.get("instruction")
-        length = cfg.get("instruction_length")
-        if isinstance(instr, str) and instr.strip():
-            if not (isinstance(length, int) and not isinstance(length, bool) and 1 <= length <= 512):
-                raise ValueError(f"maniskill/{task}: env.cfg.instruction_length must be an integer in [1, 512] "
-                                 f"with a text instruction (the ids are padded to it), got {length!r}")
+        backend = o.sim_backend or ("physx_cuda" if want.type == "cuda" else "physx_cpu")
+        instr, length, size = o.instruction, o.instruction_length, o.image_size
+        if isinstance(instr, str):
             if tokenizer is None:
-                raise ValueError(f"maniskill/{task}: a text env.cfg.instruction needs the model's tokenizer "
-                                 f"(actors load it from vla_config.model_path or vla_config.tokenizer)")
+                from shared.instructions import InstructionError
+                raise InstructionError(f"maniskill/{task}: a text env.cfg.instruction needs the model's tokenizer "
+                                       f"(actors load it from vla_config.model_path or vla_config.tokenizer)")
             instr = tokenizer.table([instr], length, f"maniskill/{task}: env.cfg.instruction_length")[0].tolist()
-        elif instr is not None and not (isinstance(instr, list) and instr and all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in instr)):
-            raise ValueError(f"maniskill/{task}: env.cfg.instruction must be text or a non-empty list of token ids, "
-                             f"got {instr!r}")
-        elif length is not None:
-            raise ValueError(f"maniskill/{task}: env.cfg.instruction_length applies to a text instruction only")
-        size = cfg.get("image_size")
-        if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and 8 <= size <= 4096):
-            raise ValueError(f"maniskill/{task}: env.cfg.image_size={size!r} must be an integer in [8, 4096]")
-        if not isinstance(cfg.get("sim_kwargs", {}), dict):
-            raise ValueError(f"maniskill/{task}: env.cfg.sim_kwargs must be an object, got {cfg['sim_kwargs']!r}")
-        if cfg.get("state_key", "state") in ("rgb", "instruction") or not isinstance(cfg.get("state_key", "state"), str):
-            raise ValueError(f"maniskill/{task}: env.cfg.state_key={cfg['state_key']!r} must be a name other than "
-                             "'rgb' and 'instruction'")
         gym, _ = import_maniskill()
-        kwargs = dict(obs_mode=self.obs_mode, reward_mode=cfg.get("reward_mode", "normalized_dense"),
-                      sim_backend=backend, **cfg.get("sim_kwargs", {}))
-        if cfg.get("control_mode") is not None:
-            kwargs["control_mode"] = cfg["control_mode"]
+        kwargs = dict(obs_mode=self.obs_mode, reward_mode=o.reward_mode, sim_backend=backend, **o.sim_kwargs)
+        if o.control_mode is not None:
+            kwargs["control_mode"] = o.control_mode
         if size is not None:
             kwargs["sensor_configs"] = dict(width=size, height=size)
         if render:      # evaluation videos: ManiSkill's human-view camera
@@ -216,16 +190,16 @@ class ManiSkillEnv:
             registered = gym.spec(task).max_episode_steps
         except gym.error.Error as e:
             raise ValueError(f"maniskill/{task}: no such ManiSkill3 task ({e})") from e
-        self.max_episode_steps = int(cfg.get("max_episode_steps") or registered or 0) or None
+        self.max_episode_steps = int(o.max_episode_steps or registered or 0) or None
         if self.max_episode_steps:
             kwargs["max_episode_steps"] = self.max_episode_steps
         if backend == "physx_cpu":
             self.sim = _CpuScenes(gym, task, num_envs, kwargs)
         else:
             self.sim = gym.make(task, num_envs=num_envs, **kwargs)
-        self.terminate_on_success = bool(cfg.get("terminate_on_success", False))
-        self.camera = cfg.get("camera")
-        self.state_key = cfg.get("state_key", "state")
+        self.terminate_on_success = o.terminate_on_success
+        self.camera = o.camera
+        self.state_key = o.state_key
         self.instruction = None if instr is None else torch.tensor(instr, dtype=torch.int64)
         obs = self.reset(seed=0)
         self.device = obs.device

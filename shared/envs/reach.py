@@ -48,20 +48,21 @@ class Reach:
                  max_episode_steps: int = 30, step_size: float = 0.15, success_radius: float = 0.15,
                  reward: str = "dense", group_goals: str = "same", instructions: str = "ids",
                  instruction_length: int = INSTRUCTION_LEN, tokenizer=None):
-        if reward not in ("dense", "success"):
-            raise ValueError(f"Reach: reward={reward!r} must be 'dense' or 'success'")
-        if group_goals not in ("same", "rotate"):
-            raise ValueError(f"Reach: group_goals={group_goals!r} must be 'same' or 'rotate'")
-        self.reward_kind, self.group_goals = reward, group_goals
+        o = self.options(image_size=image_size, max_episode_steps=max_episode_steps, step_size=step_size,
+                         success_radius=success_radius, reward=reward, group_goals=group_goals,
+                         instructions=instructions, instruction_length=instruction_length)
+        self.reward_kind, self.group_goals = o.reward, o.group_goals
         self.num_envs, self.device = num_envs, torch.device(device)
-        self.image_size, self.max_episode_steps = image_size, max_episode_steps
-        self.step_size, self.success_radius = step_size, success_radius
-        self.spec = self.spec_for(image_size=image_size, max_episode_steps=max_episode_steps,
-                                  instructions=instructions, instruction_length=instruction_length)
+        self.image_size, self.max_episode_steps = o.image_size, o.max_episode_steps
+        self.step_size, self.success_radius = o.step_size, o.success_radius
+        instructions, instruction_length = o.instructions, o.instruction_length
+        self.spec = self._spec(o)
         if instructions == "text":
             if tokenizer is None:
-                raise ValueError("Reach: instructions='text' needs the model's tokenizer (make_env(..., tokenizer=); "
-                                 "actors load it from vla_config.model_path or vla_config.tokenizer)")
+                from shared.instructions import InstructionError
+                raise InstructionError("tandem/Reach-v0: env.cfg.instructions \"text\" needs the model's tokenizer "
+                                       "(make_env(..., tokenizer=); actors load it from vla_config.model_path or "
+                                       "vla_config.tokenizer)")
             table = tokenizer.table(list(TEXTS), instruction_length, "env.cfg.instruction_length")   # [3, L]
         else:
             table = torch.zeros(self.num_targets, INSTRUCTION_LEN, dtype=torch.int64)
@@ -83,14 +84,29 @@ class Reach:
     @staticmethod
     def spec_for(image_size: int = 16, max_episode_steps: int = 30, instructions: str = "ids",
                  instruction_length: int = INSTRUCTION_LEN, **_ignored) -> EnvSpec:
-        """The spec for these ``env.cfg`` values, without building the env (nor a tokenizer)."""
-        if instructions not in ("ids", "text"):
-            raise ValueError(f"Reach: instructions={instructions!r} must be 'ids' or 'text'")
-        if instructions == "ids" and instruction_length != INSTRUCTION_LEN:
-            raise ValueError(f"Reach: instruction_length={instruction_length} applies to instructions='text' only "
-                             f"(Reach's own ids are {INSTRUCTION_LEN} long)")
-        if not (isinstance(instruction_length, int) and 1 <= instruction_length <= 512):
-            raise ValueError(f"Reach: instruction_length={instruction_length!r} must be an integer in [1, 512]")
+        """The spec for these ``env.cfg`` values, without building the env (nor a tokenizer).
+
+        Raises:
+            EnvConfigError: a value :class:`~shared.envs.options.ReachOptions` does not accept.
+        """
+        return Reach._spec(Reach.options(image_size=image_size, max_episode_steps=max_episode_steps,
+                                         instructions=instructions, instruction_length=instruction_length, **_ignored))
+
+    @staticmethod
+    def options(**cfg):
+        """`cfg` (``env.cfg``) checked against :class:`~shared.envs.options.ReachOptions`, the one
+        declaration of Reach's options, their defaults and accepted values.
+
+        Raises:
+            EnvConfigError: naming each refused ``env.cfg.<key>`` and what it accepts.
+        """
+        from shared.envs.options import env_options
+        return env_options("tandem/Reach-v0", cfg)
+
+    @staticmethod
+    def _spec(o) -> EnvSpec:
+        image_size, max_episode_steps = o.image_size, o.max_episode_steps
+        instructions, instruction_length = o.instructions, o.instruction_length
         return EnvSpec(
             obs_shape=(), obs_dtype=torch.float32,
             action=ActionSpec(kind="box", shape=(2,), low=(-1.0, -1.0), high=(1.0, 1.0)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tensordict import TensorDict
 from torch import nn
@@ -41,9 +43,11 @@ def _build_vla(cfg: Config, spec: EnvSpec, describe: bool) -> nn.Module:
     import logging
 
     from shared.instructions import check_instruction_vocabulary
+    from shared.policies.token_checkpoints import policy_copy
     from shared.policies.vla import VLALoadError, VLAPolicy, load_vla_model
     v = cfg.policy.vla_config
-    model = load_vla_model(v.model_path, v.model_class, v.model_config)
+    with contextlib.nullcontext() if describe else policy_copy():   # a fresh value head: said where it trains
+        model = load_vla_model(v.model_path, v.model_class, v.model_config)
     action_dim = getattr(model, "action_dim", None)
     if spec is not None and isinstance(action_dim, int) and spec.action.kind == "box" and action_dim != spec.action.dim:
         raise VLALoadError(f"{cfg.source}: vla_config.model_config.action_dim is {action_dim} (model at "

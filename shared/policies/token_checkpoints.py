@@ -16,11 +16,14 @@ Loading is strict. Every backbone tensor must be in the files and every tensor i
 belong to the model, with the same shape; otherwise :class:`~shared.policies.vla.VLALoadError`
 names the tensors and the file. The one declared exception is the value head (``value_head.weight``,
 ``value_head.bias``): where no file holds it, it starts fresh at zero (weight and bias, so V = 0 for
-every state until the critic learns) and a warning says so.
+every state until the critic learns) and a warning says so, in the process that trains it (the
+learner: :func:`policy_copy` quiets the copies that take its weights).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import json
 import logging
@@ -182,8 +185,25 @@ def _load_adapter_tensors(policy: nn.Module, path: Path) -> None:
         for k in fresh:
             own[k].zero_()
     if fresh:
-        log.warning("%s: no value head in %s: it starts fresh at zero (%s), so V = 0 until the critic learns",
-                    path, ADAPTER_WEIGHTS if file.is_file() else "the checkpoint", ", ".join(fresh))
+        # said where it matters: the learner, which trains the value head (the copies that act and
+        # evaluate take its weights, value head included, before they act)
+        log.log(logging.WARNING if _ANNOUNCE_FRESH.get() else logging.DEBUG,
+                "%s: no value head in %s: it starts fresh at zero (%s), so V = 0 until the critic learns",
+                path, ADAPTER_WEIGHTS if file.is_file() else "the checkpoint", ", ".join(fresh))
+
+
+_ANNOUNCE_FRESH: contextvars.ContextVar[bool] = contextvars.ContextVar("tandem_announce_fresh", default=True)
+
+
+@contextlib.contextmanager
+def policy_copy():
+    """Load a policy copy that takes the learner's weights before it acts (an actor's, the evaluator's):
+    a value head that starts fresh is then logged at DEBUG, not warned about; the learner says it."""
+    token = _ANNOUNCE_FRESH.set(False)
+    try:
+        yield
+    finally:
+        _ANNOUNCE_FRESH.reset(token)
 
 
 def save_token_policy(policy: nn.Module, path: str | Path) -> None:
