@@ -402,7 +402,7 @@ def fmt_table(results: list[PhaseResult]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="benchmarks/overhead.py", description=__doc__,
         epilog="Phases: 1 raw env (random actions), 2 env+inference (Collector, rollouts thrown away), "
@@ -429,9 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=("raw", "inference"), help=argparse.SUPPRESS)
     p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--worker-steps", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker, str(args.config), args.sets, args.worker_index, args.worker_steps)
+    return p
+
+
+def _checked_phases(p: argparse.ArgumentParser, args) -> list[int]:
+    """The phases to run, in order; options that do not fit end with the parser's error."""
     if args.actors < 1 or args.steps < 1:
         p.error("--actors and --steps must be positive")
     if not 0.0 <= args.warmup < 1.0:
@@ -442,30 +444,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--phases {args.phases!r}: expected numbers such as 1,2,3,4")
     if not phases or not set(phases) <= {1, 2, 3, 4}:
         p.error("--phases: choose among 1, 2, 3, 4")
-    args.config = args.config.resolve()
+    return phases
 
-    from shared.config import ConfigError, load_config
-    try:   # check every phase's config here, so a typo fails in a second and names the key
-        base = load_config(args.config, args.sets + [f"actors.num_actors={args.actors}"])
-        sets = {i: phase_overrides(base, args, args.sets, transport_only=(i == 3)) for i in (1, 2, 3, 4)}
-        cfgs = {i: load_config(args.config, sets[i]) for i in phases}
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    cfg = cfgs[phases[0]]
-    print(f"[overhead] {args.config.name}: {cfg.env.id}, {args.actors} processes x {cfg.actors.num_envs} envs, "
-          f"rollouts of {cfg.trainer.buffer_size} steps, {args.steps:,} env steps per phase | "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start", flush=True)
-    if os.getloadavg()[0] > 0.5:
-        print("[overhead] note: the machine is not idle; other processes share the cores and skew the figures",
-              flush=True)
 
+def _run_phases(args, phases: list[int], names: dict[int, str], sets: dict[int, list[str]]
+                ) -> list[PhaseResult] | None:
+    """Every phase in turn (a failed one is a result with its error); None when interrupted."""
     # Ctrl-C and SIGTERM (also when SIGINT came in ignored, as in a background job) unwind
     # through the finally: blocks below, which stop every child.
     signal.signal(signal.SIGINT, raise_on_signal)
     signal.signal(signal.SIGTERM, raise_on_signal)
-    names = {1: "raw env", 2: "env+inference", 3: "transport only",
-             4: f"tandem training ({base.trainer.buffer_type})"}
     results: list[PhaseResult] = []
     tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-overhead-")
     runs_root = args.keep_runs.resolve() if args.keep_runs else Path(tmp)
@@ -492,11 +480,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[overhead] phase {i}: warning: {r.extra['warning']}", flush=True)
     except KeyboardInterrupt:
         print("[overhead] interrupted: children stopped", file=sys.stderr)
-        return 130
+        return None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    return results
 
+
+def _report(results: list[PhaseResult], names: dict[int, str]) -> float | None:
+    """The ratios, the table and the verdict, printed; returns transport-only / env+inference."""
     by = {r.name: r for r in results}
     raw, inf = by.get(names[1]), by.get(names[2])
     for r in results:
@@ -523,17 +515,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntransport-only / env+inference = {key:.3f} (target >= {TARGET}) {verdict}")
     else:
         print("\ntransport-only / env+inference = n/a (needs phases 2 and 3)")
+    return key
 
+
+def _write_json(args, cfg, results: list[PhaseResult], key: float | None) -> None:
+    """--json: the run's settings, every phase's result and the key ratio."""
+    doc = {"config": str(args.config), "env": cfg.env.id, "actors": args.actors,
+           "num_envs": cfg.actors.num_envs, "buffer_size": cfg.trainer.buffer_size, "steps": args.steps,
+           "warmup": args.warmup, "overrides": args.sets, "phases": [asdict(r) for r in results],
+           "transport_over_inference": key, "target": TARGET,
+           "machine": machine_info(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"[overhead] results written to {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, str(args.config), args.sets, args.worker_index, args.worker_steps)
+    phases = _checked_phases(p, args)
+    args.config = args.config.resolve()
+
+    from shared.config import ConfigError, load_config
+    try:   # check every phase's config here, so a typo fails in a second and names the key
+        base = load_config(args.config, args.sets + [f"actors.num_actors={args.actors}"])
+        sets = {i: phase_overrides(base, args, args.sets, transport_only=(i == 3)) for i in (1, 2, 3, 4)}
+        cfgs = {i: load_config(args.config, sets[i]) for i in phases}
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    cfg = cfgs[phases[0]]
+    print(f"[overhead] {args.config.name}: {cfg.env.id}, {args.actors} processes x {cfg.actors.num_envs} envs, "
+          f"rollouts of {cfg.trainer.buffer_size} steps, {args.steps:,} env steps per phase | "
+          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    if os.getloadavg()[0] > 0.5:
+        print("[overhead] note: the machine is not idle; other processes share the cores and skew the figures",
+              flush=True)
+    names = {1: "raw env", 2: "env+inference", 3: "transport only",
+             4: f"tandem training ({base.trainer.buffer_type})"}
+    results = _run_phases(args, phases, names, sets)
+    if results is None:
+        return 130
+    key = _report(results, names)
     if args.json:
-        doc = {"config": str(args.config), "env": cfg.env.id, "actors": args.actors,
-               "num_envs": cfg.actors.num_envs, "buffer_size": cfg.trainer.buffer_size, "steps": args.steps,
-               "warmup": args.warmup, "overrides": args.sets, "phases": [asdict(r) for r in results],
-               "transport_over_inference": key, "target": TARGET,
-               "machine": machine_info(),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"[overhead] results written to {args.json}")
+        _write_json(args, cfg, results, key)
     return 1 if any(r.error for r in results) else 0
 
 
