@@ -121,7 +121,7 @@ def train_step_seconds(policy, batch: int, image_size: int, repeats: int, device
     return seconds
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="0.5b")
     p.add_argument("--lora-r", type=int, default=8)
@@ -134,10 +134,11 @@ def main() -> int:
     p.add_argument("--train-batch", type=int, default=None,
                    help="batch of the LoRA training step (default: 8 on CUDA, not timed on the CPU)")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    out: dict = {"machine": machine_info(), "size": args.size}
+    return p
 
+
+def _build(args, out: dict) -> tuple[PaliGemmaActionTokenPolicy, int, int]:
+    """The --size policy, seeded; returns it, its image size and its parameter count."""
     t0 = time.perf_counter()
     torch.manual_seed(0)
     # PaliGemma: <image> is id 257152, so the bin block ends 64 ids before the vocabulary does (tiny: 255, below it)
@@ -148,7 +149,11 @@ def main() -> int:
     out["params_total"] = total_params
     image_size = backbone.config.vision_config.image_size
     print(f"[vla] {args.size}: {total_params / 1e6:.1f}M parameters, built in {out['build_s']:.1f} s", flush=True)
+    return policy, image_size, total_params
 
+
+def _time_save_and_load(backbone, out: dict) -> None:
+    """save_pretrained and load_pretrained of the backbone, against one memory copy of its weights."""
     tmp = Path(tempfile.mkdtemp(prefix="tandem-vla-"))
     try:
         t0 = time.perf_counter()
@@ -171,11 +176,9 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    devices = [torch.device(d) for d in args.devices.split(",")]
-    for d in devices:
-        if d.type == "cuda" and not torch.cuda.is_available():
-            p.error(f"--devices names {d} but torch.cuda.is_available() is False")
-    out["devices"] = {str(d): (torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu") for d in devices}
+
+def _time_acting(policy, devices: list[torch.device], args, image_size: int, out: dict) -> None:
+    """An acting step on every device, dtype (and autocast on CUDA) and batch size."""
     out["step_s"], out["peak_gib"] = {}, {}
     for d in devices:
         batches = [int(b) for b in ((args.cpu_batch or args.batch) if d.type == "cpu" else args.batch).split(",")]
@@ -193,9 +196,10 @@ def main() -> int:
                     out["peak_gib"][key] = mem
                 print(f"[vla] acting step on {d}, {name}, batch {b}: {s:.4f} s ({s / b:.4f} s per env)"
                       + (f", peak {mem:.2f} GiB" if mem is not None else ""), flush=True)
-    policy.to(device="cpu", dtype=torch.bfloat16)
-    if any(d.type == "cuda" for d in devices):
-        torch.cuda.empty_cache()
+
+
+def _lora_message(policy, args, total_params: int, out: dict) -> tuple[int, int]:
+    """LoRA applied to `policy`: the bytes of a weights message with full fine-tuning and with LoRA."""
     full_bytes = nbytes(published_state(policy).values())   # every parameter trains
     apply_lora(policy, LoRAConfig(r=args.lora_r, alpha=2.0 * args.lora_r, target_modules=["q_proj", "v_proj"]),
                "PaliGemmaActionTokenPolicy")
@@ -207,7 +211,11 @@ def main() -> int:
     print(f"[vla] weights message: full fine-tuning {full_bytes / 2**20:.1f} MiB, LoRA r={args.lora_r} "
           f"{lora_bytes / 2**20:.2f} MiB ({len(lora_state)} tensors, {trainable / 1e6:.2f}M trainable of "
           f"{total_params / 1e6:.1f}M) = {100 * lora_bytes / full_bytes:.2f}% of full", flush=True)
+    return full_bytes, lora_bytes
 
+
+def _time_training(policy, devices: list[torch.device], args, image_size: int, out: dict) -> None:
+    """A LoRA training step on every device (on the CPU only with --train-batch)."""
     out["train_step_s"] = {}
     for d in devices:
         if d.type == "cpu" and args.train_batch is None:
@@ -222,23 +230,47 @@ def main() -> int:
             out["peak_gib"][f"{d}_train_b{b}"] = mem
         print(f"[vla] LoRA training step on {d} (float32 weights, bf16 autocast), batch {b}: {s:.4f} s"
               + (f", peak {mem:.2f} GiB" if mem is not None else ""), flush=True)
-    policy.to(device="cpu", dtype=torch.bfloat16)
 
+
+def _time_broadcast(args, lora_bytes: int, full_bytes: int, out: dict) -> None:
+    """Publish-to-use of a LoRA and a full weights message, to each number of actors, over each transport."""
+    import weights_broadcast as wb
+    out["broadcast"] = []
+    for label, n_bytes in (("lora", lora_bytes), ("full", full_bytes)):
+        params = max(1, n_bytes // 2)        # weights_broadcast sends bf16 tensors: 2 bytes each
+        memcpy = wb.memcpy_seconds(params, args.repeats)
+        for n_actors in (int(a) for a in args.actors.split(",")):
+            for transport in ("zmq", "shm"):
+                r = wb.run_one(params, n_actors, transport, args.repeats)
+                row = {"message": label, "bytes": n_bytes, "actors": n_actors, "transport": transport,
+                       "publish_to_use_s": r["seconds"], "memcpy_s": memcpy, "ratio": memcpy / r["seconds"]}
+                out["broadcast"].append(row)
+                print(f"[vla] publish-to-use {label:4s} ({n_bytes / 2**20:8.2f} MiB) to {n_actors} actor(s) "
+                      f"over {transport}: {r['seconds']:.4f} s = {memcpy / r['seconds']:.2f}x memcpy speed",
+                      flush=True)
+
+
+def main() -> int:
+    p = _parser()
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out: dict = {"machine": machine_info(), "size": args.size}
+    policy, image_size, total_params = _build(args, out)
+    _time_save_and_load(policy.model, out)
+    devices = [torch.device(d) for d in args.devices.split(",")]
+    for d in devices:
+        if d.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--devices names {d} but torch.cuda.is_available() is False")
+    out["devices"] = {str(d): (torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu") for d in devices}
+    _time_acting(policy, devices, args, image_size, out)
+    policy.to(device="cpu", dtype=torch.bfloat16)
+    if any(d.type == "cuda" for d in devices):
+        torch.cuda.empty_cache()
+    full_bytes, lora_bytes = _lora_message(policy, args, total_params, out)
+    _time_training(policy, devices, args, image_size, out)
+    policy.to(device="cpu", dtype=torch.bfloat16)
     if not args.no_broadcast:
-        import weights_broadcast as wb
-        out["broadcast"] = []
-        for label, n_bytes in (("lora", lora_bytes), ("full", full_bytes)):
-            params = max(1, n_bytes // 2)        # weights_broadcast sends bf16 tensors: 2 bytes each
-            memcpy = wb.memcpy_seconds(params, args.repeats)
-            for n_actors in (int(a) for a in args.actors.split(",")):
-                for transport in ("zmq", "shm"):
-                    r = wb.run_one(params, n_actors, transport, args.repeats)
-                    row = {"message": label, "bytes": n_bytes, "actors": n_actors, "transport": transport,
-                           "publish_to_use_s": r["seconds"], "memcpy_s": memcpy, "ratio": memcpy / r["seconds"]}
-                    out["broadcast"].append(row)
-                    print(f"[vla] publish-to-use {label:4s} ({n_bytes / 2**20:8.2f} MiB) to {n_actors} actor(s) "
-                          f"over {transport}: {r['seconds']:.4f} s = {memcpy / r['seconds']:.2f}x memcpy speed",
-                          flush=True)
+        _time_broadcast(args, lora_bytes, full_bytes, out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0 if out["lora_share"] <= 0.02 else 1
