@@ -352,7 +352,7 @@ def medians(runs: list[Run], variants: list[str], baseline: str | None) -> list[
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/vs_single_process.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="JSON config (default: halfcheetah_ppo)")
@@ -368,6 +368,92 @@ def main(argv: list[str] | None = None) -> int:
                    help="config override for every variant (repeatable)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    return p
+
+
+def _calibrate(args, seed: int, cfg, cores: int, logs: Path) -> float:
+    """One-thread CPU costs of collection and of an update (the calibrate worker), printed; returns
+    the ideal wall time on `cores` cores."""
+    cal = run_worker("calibrate", args, seed, args.timeout, logs)
+    updates = -(-cfg.trainer.total_steps // cal["samples_per_update"])
+    steps = updates * cal["samples_per_update"]
+    collect_cpu, update_cpu = cal["collect_cpu_per_step"] * steps, cal["update_cpu_s"] * updates
+    ideal = (collect_cpu + update_cpu) / cores
+    print(f"[vs1] calibration (one thread): collection {cal['collect_cpu_per_step'] * 1e6:.1f} us CPU per env "
+          f"step with {cfg.actors.num_envs} envs per process ({cal['inference_share']:.0%} of it in the policy), "
+          f"{cal['collect_all_cpu_per_step'] * 1e6:.1f} us with all "
+          f"{cfg.actors.num_actors * cfg.actors.num_envs} in one; "
+          f"{cal['update_cpu_s']:.3f} s CPU per update -> {steps:,} steps: "
+          f"{collect_cpu:.1f} s collecting + {update_cpu:.1f} s updating = {collect_cpu + update_cpu:.1f} s CPU; "
+          f"ideal wall on {cores} cores {ideal:.1f} s", flush=True)
+    return ideal
+
+
+def _run_variant(v: str, args, seed: int, root: Path) -> Run:
+    """One variant on one seed (a failed one is a Run with its error), printed."""
+    t = time.monotonic()
+    try:
+        if v in TANDEM_SETS:
+            r = run_tandem(v, args, seed, root / f"{v}_s{seed}")
+        else:
+            res = run_worker(v, args, seed, args.timeout, root / "logs")
+            r = Run(v, seed, **{k: res.get(k) for k in ("train_s", "total_s", "env_steps", "updates",
+                                                        "eval_return", "collect_cpu_s", "update_cpu_s",
+                                                        "threads")})
+    except BenchmarkError as e:
+        r = Run(v, seed, error=str(e))
+        print(f"[vs1] {v} seed {seed} failed: {e}", file=sys.stderr, flush=True)
+    if not r.error:
+        print(f"[vs1] {v:<8} seed {seed}: train {_f(r.train_s, '.1f')} s, total {_f(r.total_s, '.1f')} s, "
+              f"return {_f(r.eval_return, '.1f')} (took {time.monotonic() - t:.0f} s)", flush=True)
+    return r
+
+
+def _run_all(args, variants: list[str], seeds: list[int], cfg, cores: int
+             ) -> tuple[list[Run], float | None, int | None]:
+    """The calibration, then every variant on every seed. Returns the runs, the ideal wall time and,
+    where the benchmark ends early, its exit code (130 interrupted, 1 calibration failed)."""
+    signal.signal(signal.SIGINT, raise_on_signal)
+    signal.signal(signal.SIGTERM, raise_on_signal)
+    tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-vs1-")
+    root = args.keep_runs.resolve() if args.keep_runs else Path(tmp)
+    runs: list[Run] = []
+    ideal = None
+    try:
+        ideal = _calibrate(args, seeds[0], cfg, cores, root / "logs")
+        for seed in seeds:
+            for v in variants:
+                runs.append(_run_variant(v, args, seed, root))
+    except KeyboardInterrupt:
+        print("[vs1] interrupted: children stopped", file=sys.stderr)
+        return runs, ideal, 130
+    except BenchmarkError as e:
+        print(f"[vs1] calibration failed: {e}", file=sys.stderr)
+        return runs, ideal, 1
+    finally:
+        if tmp is not None:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    return runs, ideal, None
+
+
+def _report(runs: list[Run], variants: list[str], baseline: str | None, ideal: float | None, seeds: list[int],
+            cores: int) -> list[dict]:
+    """The table and the medians, printed; returns the medians."""
+    print()
+    print(fmt_table(runs, baseline, ideal))
+    summary = medians(runs, variants, baseline)
+    print()
+    print(f"medians over {len(seeds)} seed(s); ideal wall {_f(ideal, '.1f')} s on {cores} cores")
+    for m in summary:
+        print(f"  {m['variant']:<9} train {m['train_s']:7.1f} s  total {m['total_s']:7.1f} s  "
+              f"x{_f(m['train_vs_baseline'], '.3f')} of {baseline}  x{_f(m['train_s'] / ideal if ideal else None, '.2f')} "
+              f"of ideal  return {_f(m['return_median'], '.1f')} (std {_f(m['return_std'], '.1f')})")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     args.config = args.config.resolve()
     if args.steps is not None:
@@ -406,63 +492,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{cores} usable cores, load average {load:.2f}", flush=True)
     if load > 0.5:
         print("[vs1] note: the machine is not idle; other processes share the cores and skew the times", flush=True)
-
-    signal.signal(signal.SIGINT, raise_on_signal)
-    signal.signal(signal.SIGTERM, raise_on_signal)
-    tmp = None if args.keep_runs else tempfile.mkdtemp(prefix="tandem-vs1-")
-    root = args.keep_runs.resolve() if args.keep_runs else Path(tmp)
-    runs: list[Run] = []
-    ideal = None
-    try:
-        cal = run_worker("calibrate", args, seeds[0], args.timeout, root / "logs")
-        updates = -(-cfg.trainer.total_steps // cal["samples_per_update"])
-        steps = updates * cal["samples_per_update"]
-        collect_cpu, update_cpu = cal["collect_cpu_per_step"] * steps, cal["update_cpu_s"] * updates
-        ideal = (collect_cpu + update_cpu) / cores
-        print(f"[vs1] calibration (one thread): collection {cal['collect_cpu_per_step'] * 1e6:.1f} us CPU per env "
-              f"step with {cfg.actors.num_envs} envs per process ({cal['inference_share']:.0%} of it in the policy), "
-              f"{cal['collect_all_cpu_per_step'] * 1e6:.1f} us with all "
-              f"{cfg.actors.num_actors * cfg.actors.num_envs} in one; "
-              f"{cal['update_cpu_s']:.3f} s CPU per update -> {steps:,} steps: "
-              f"{collect_cpu:.1f} s collecting + {update_cpu:.1f} s updating = {collect_cpu + update_cpu:.1f} s CPU; "
-              f"ideal wall on {cores} cores {ideal:.1f} s", flush=True)
-        for seed in seeds:
-            for v in variants:
-                t = time.monotonic()
-                try:
-                    if v in TANDEM_SETS:
-                        r = run_tandem(v, args, seed, root / f"{v}_s{seed}")
-                    else:
-                        res = run_worker(v, args, seed, args.timeout, root / "logs")
-                        r = Run(v, seed, **{k: res.get(k) for k in ("train_s", "total_s", "env_steps", "updates",
-                                                                    "eval_return", "collect_cpu_s", "update_cpu_s",
-                                                                    "threads")})
-                except BenchmarkError as e:
-                    r = Run(v, seed, error=str(e))
-                    print(f"[vs1] {v} seed {seed} failed: {e}", file=sys.stderr, flush=True)
-                runs.append(r)
-                if not r.error:
-                    print(f"[vs1] {v:<8} seed {seed}: train {_f(r.train_s, '.1f')} s, total {_f(r.total_s, '.1f')} s, "
-                          f"return {_f(r.eval_return, '.1f')} (took {time.monotonic() - t:.0f} s)", flush=True)
-    except KeyboardInterrupt:
-        print("[vs1] interrupted: children stopped", file=sys.stderr)
-        return 130
-    except BenchmarkError as e:
-        print(f"[vs1] calibration failed: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if tmp is not None:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print(fmt_table(runs, baseline, ideal))
-    summary = medians(runs, variants, baseline)
-    print()
-    print(f"medians over {len(seeds)} seed(s); ideal wall {_f(ideal, '.1f')} s on {cores} cores")
-    for m in summary:
-        print(f"  {m['variant']:<9} train {m['train_s']:7.1f} s  total {m['total_s']:7.1f} s  "
-              f"x{_f(m['train_vs_baseline'], '.3f')} of {baseline}  x{_f(m['train_s'] / ideal if ideal else None, '.2f')} "
-              f"of ideal  return {_f(m['return_median'], '.1f')} (std {_f(m['return_std'], '.1f')})")
+    runs, ideal, early = _run_all(args, variants, seeds, cfg, cores)
+    if early is not None:
+        return early
+    summary = _report(runs, variants, baseline, ideal, seeds, cores)
     if args.json:
         args.json.write_text(json.dumps({"config": str(args.config), "sets": args.sets, "seeds": seeds,
                                          "cores": cores, "ideal_s": ideal, "runs": [asdict(r) for r in runs],
