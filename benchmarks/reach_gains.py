@@ -132,25 +132,26 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds: list[int], common: list[str]) -> int:
-    """Train every (variant, seed), evaluate, print the table and write gains.json; the exit code."""
-    t0 = time.monotonic()
+def _run_dir(a: argparse.Namespace, label: str, seed: int) -> Path:
+    return a.out / f"{label}_s{seed}"
 
-    def run_dir(label, seed):
-        return a.out / f"{label}_s{seed}"
 
+def _train_all(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds: list[int], common: list[str],
+               failures: dict[str, str]) -> dict[tuple[str, int], dict]:
+    """Train every (variant, seed), `a.parallel` at a time. Returns what each measured run reports
+    (a run stopped by --timeout-s with a checkpoint is measured, marked); failures go to `failures`."""
     def start_run(job):
         label, seed = job
         args = ["--config", str(Path(a.config).resolve())]
         for x in [*common, *dict(variants)[label], f"trainer.seed={seed}"]:
             args += ["--set", x]
-        return start_launcher(args, run_dir(label, seed))
+        return start_launcher(args, _run_dir(a, label, seed))
 
-    runs, failures = {}, {}
+    runs = {}
     trained = run_parallel([(label, seed) for label, _ in variants for seed in seeds], start_run, a.parallel,
                            a.timeout_s)
     for (label, seed), (code, wall, notes) in trained.items():
-        d = run_dir(label, seed)
+        d = _run_dir(a, label, seed)
         note = "".join(f"; {n}" for n in notes)
         if code == 0:
             learner_wall = json.loads((d / "summary.json").read_text()).get("wall_s")
@@ -167,7 +168,12 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
                    else f"run_local.sh exited with code {code}")
             failures[f"{label}_s{seed}"] = f"{why}; its log ends:\n{tail(d / 'launcher.log')}"
             print(f"[reach_gains] {label} seed {seed}: FAILED: {failures[f'{label}_s{seed}']}", flush=True)
+    return runs
 
+
+def _evaluations(a: argparse.Namespace, seeds: list[int], runs: dict) -> dict[tuple, list[str]]:
+    """The evaluate.py arguments of every evaluation: the starting model and every measured run, on
+    the first and the held-out set of each seed."""
     dev = ["--device", a.device] if a.device else []
     evals = {}   # key -> evaluate.py arguments
     for seed in seeds:
@@ -178,9 +184,15 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
                                             *dev]
     for (label, seed) in runs:
         for name, offset in (("first", FIRST), ("held_out", HELD_OUT)):
-            evals[(label, seed, name)] = [str(run_dir(label, seed)), "--episodes", str(a.episodes),
+            evals[(label, seed, name)] = [str(_run_dir(a, label, seed)), "--episodes", str(a.episodes),
                                           "--seed", str(seed + offset), *dev]
+    return evals
 
+
+def _evaluate_all(a: argparse.Namespace, evals: dict[tuple, list[str]], failures: dict[str, str]
+                  ) -> tuple[dict[tuple, float], dict[tuple, int | None]]:
+    """Run every evaluation, `a.parallel` at a time. Returns the success rates and env steps by key;
+    failures go to `failures`."""
     def eval_path(key):
         return a.out / ("eval_" + "_".join(str(k) for k in key) + ".json")
 
@@ -195,7 +207,12 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
             failures["eval_" + "_".join(map(str, key))] = (f"evaluate.py {' '.join(evals[key])}: {why}; its log "
                                                            f"ends:\n{tail(eval_path(key).with_suffix('.log'))}")
             print(f"[reach_gains] evaluation {key}: FAILED ({why})", flush=True)
+    return rates, env_steps
 
+
+def _print_gains(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds: list[int], runs: dict,
+                 rates: dict, env_steps: dict) -> tuple[list[dict], dict[int, tuple]]:
+    """The table of success rates and gains, printed. Returns its rows and the starting model's rates."""
     rows = []
     print(f"\nSuccess on the first set / held-out set ({a.episodes} episodes each), gain in points over the "
           f"starting model on both ({a.config}):")
@@ -223,6 +240,16 @@ def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds:
         print(f"{label:12s}" + "".join(f"{c:>24s}" for c in cells) + mean)
     if any(r.get("stopped") for r in runs.values()):
         print("(* stopped by --timeout-s before trainer.total_steps: the env steps reached are in gains.json)")
+    return rows, start
+
+
+def measure(a: argparse.Namespace, variants: list[tuple[str, list[str]]], seeds: list[int], common: list[str]) -> int:
+    """Train every (variant, seed), evaluate, print the table and write gains.json; the exit code."""
+    t0 = time.monotonic()
+    failures: dict[str, str] = {}
+    runs = _train_all(a, variants, seeds, common, failures)
+    rates, env_steps = _evaluate_all(a, _evaluations(a, seeds, runs), failures)
+    rows, start = _print_gains(a, variants, seeds, runs, rates, env_steps)
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "rows": rows,
            "start": {str(s): start[s] for s in seeds}, "failures": failures, "wall_s": time.monotonic() - t0}
     (a.out / "gains.json").write_text(json.dumps(out, indent=1) + "\n")
