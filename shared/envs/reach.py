@@ -22,9 +22,14 @@ depend on the member's own actions beyond its own return, as in any GRPO group),
 per-instruction one. Resets with an int seed (the evaluator) are unaffected.
 
 Instructions (``instructions=``): ``"ids"`` (default) gives ids of Reach's own 8-id vocabulary
-(``TOKENS``), for models pretrained on them. ``"text"`` says "reach red" (``TEXTS``) in words, and
+(``TOKENS``), 4 per instruction, for models pretrained on them or a checkpoint without a tokenizer
+(``instruction_length`` is then 4 or left out). ``"text"`` says "reach red" (``TEXTS``) in words, and
 the ids are those of the model's own tokenizer (``shared/instructions.py``), padded to
 ``instruction_length`` with its padding id: what a pretrained VLM understands.
+
+Every option, its default and its accepted values are declared once, in
+:class:`shared.envs.options.ReachOptions`, which checks them here and generates their documentation
+(``docs/reference/envs.md``).
 """
 
 from __future__ import annotations
