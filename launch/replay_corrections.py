@@ -36,13 +36,12 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import replay as replay_tool  # noqa: E402
+from learner.corrections import CORRECTIONS  # noqa: E402  (the registry: every correction a config can name)
 from learner.evaluator import evaluate  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ConfigError, load_config  # noqa: E402
 from shared.envs import make_env  # noqa: E402
 from shared.instructions import instruction_tokenizer  # noqa: E402
-
-CORRECTIONS = ("none", "is", "vtrace", "appo", "ewma", "mask", "trust")
 
 
 def record_mean_lag(run_dir: Path) -> float:

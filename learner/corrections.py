@@ -1,86 +1,18 @@
 """Off-policy corrections for stale rollouts: what the learner does with data acted by older weights,
 one class per ``algorithm.cfg.correction``, chosen once per learner (:func:`make_correction`).
 
-In ``vla`` mode an actor acts with weights that are already ``lag`` versions old when the learner
-trains on its data. ``algorithm.cfg.correction`` picks what the learner does about it. Every
-correction but ``none`` normalises the advantages once over the whole batch *before* any importance
-weight (and not again per minibatch): normalising weighted advantages leaves a term
-``mean x E_mu[grad log pi]`` in the gradient that is not zero when the ratio is taken against the
-proximal policy, and it pushed Pendulum's ``log_std`` down at a lag of 1. ``rho_bar`` (the
-importance-weight truncation) defaults per correction: 100 for ``is``, ``ewma`` and ``mask``
-(Hilton et al.'s reference code), 1 for ``vtrace`` and ``appo`` (IMPALA, Sample Factory).
-
-``none``
-    Plain PPO: the clipped ratio pi/mu is taken against the behaviour log-prob mu (the policy that
-    acted), GAE on the values, advantages normalised per minibatch (CleanRL). Use for on-policy data
-    (``standard`` mode).
-``is``
-    Decoupled PPO (Hilton et al., 2021): the trust region is centred on the policy at the start of
-    the update (the "proximal" policy pi_prox), and each sample's advantage is weighted by
-    ``min(rho_bar, pi_prox / mu)``. With stale data, plain PPO's clip range is centred on an old
-    policy that the current one may already be outside of: the gradient vanishes for those samples,
-    or pushes the wrong way. Use for moderate lags (a few versions).
-``vtrace``
-    ``is`` with IMPALA's V-trace (Espeholt et al., 2018): value targets ``v_s``, traces cut by
-    ``c = lambda min(c_bar, rho)``, and advantages ``min(rho_bar, rho_s) (r_s + gamma q_{s+1} - V(s_s))``.
-    ``vtrace_advantage`` picks ``q_{s+1}``: ``gae`` (vtrace's default) ``(1 - lambda) V(s_{s+1}) + lambda
-    v_{s+1}``, which makes the advantage GAE(lambda) exactly on on-policy data; ``impala``
-    ``v_{s+1}``, IMPALA's own, a lambda-return one step on with no lambda at s. Corrects the value
-    targets too, which GAE on stale data does not: use for large lags, or whenever the critic's
-    targets matter more than the trust region. On stale data its targets and advantages are
-    recomputed before every epoch from the live critic (``advantages_every`` epoch, its default
-    there; the weights keep the proximal policy as their target).
-``appo``
-    Sample Factory's APPO (Petrenko et al., 2020): PPO's clip on pi/mu, anchored on the behaviour
-    policy as in plain PPO, with V-trace value targets and V-trace advantages. The clip then also
-    bounds how far an update moves from what acted; use when lags are large and uneven (several
-    actors at different speeds), the setting Sample Factory built it for. As in Sample Factory
-    (the defaults ``vtrace_advantage`` impala for appo, ``appo_rho_weight`` true), each advantage
-    is also weighted by ``min(rho_bar, pi/mu)``; with the ratio pi/mu already in PPO's surrogate
-    that weights every sample twice and damps the ones the policy has moved away from. Computed once
-    at the start of the update, that weight is a trade-off: without it a task whose policy moves
-    little per update gains, and one whose policy moves far (HalfCheetah) has seeds that collapse.
-    So on stale data appo recomputes its targets, advantages and weight before every epoch from the
-    live critic and policy (``advantages_every`` epoch, its default there; Sample Factory does it per
-    minibatch), at one forward pass over the batch per epoch; where that costs return (HalfCheetah at
-    moderate lag), set ``advantages_every: update``.
-``ewma``
-    Decoupled PPO whose proximal policy is an exponential moving average of past weights (Hilton et
-    al., 2021, "Batch size-invariance for policy optimization"): clip against pi_ewma, weight by
-    ``min(rho_bar, pi_ewma / mu)``. The anchor moves smoothly after every optimiser step instead of
-    jumping once per update, so the trust region no longer depends on how much data one update
-    takes. Use when the batch per update is large (many actors) or the lag varies a lot. It costs
-    one more forward of the policy per minibatch (the proximal log-prob), cheap for an MLP and a
-    full forward pass for a large model.
-``mask``
-    ``is``, plus RLinf's behaviour-weight filter: samples with ``pi_prox / mu`` outside
-    ``[1 / mask_threshold, mask_threshold]`` take no part in the update (no gradient, counted in
-    ``offpolicy/masked_frac``). Use when a few very stale or very unlikely samples dominate the
-    update (large ``offpolicy/rho_max``), at the price of dropping their data.
-
-``recompute_values`` recomputes V(s) with the current critic before GAE or V-trace (fresh values
-for stale data), and with it every bootstrap value: inside a rollout the next step's value, and
-after a truncation or the rollout's last step the value of ``bootstrap_observation``, which
-vla-mode actors send (``actors/rollout.py``). ``trainer.max_policy_lag`` drops data older than that
-many versions before any of this.
-
-``trust``
-    ``vtrace`` with a trust region that knows the data's age: with a mean lag L > 1 the update clips
-    at ``clip_coef / L**p`` (around pi_k/mu, as vtrace does) and stops at the end of the epoch whose
-    approximate KL to pi_k passes ``trust_kl / L**p`` (``p = trust_lag_power``: 0.5 by default, a
-    move per version that adds up like a random walk's; 1 is GePPO's scaling, under which the versions
-    between mu and the next policy move about as far together as one fresh update). At L <= 1 it is
-    vtrace with ``target_kl = trust_kl``. Measured (docs/staleness.md): level
-    with or above vtrace on Pendulum up to a lag of 16; on HalfCheetah at a lag of 8 every budget
-    tried learns less than plain vtrace, since holding mu and pi_k close there leaves each version
-    too small a move.
-
-How each correction fares across lags, on Pendulum and HalfCheetah, is measured in docs/staleness.md.
+What each correction does, when to use which, and what was measured: docs/staleness.md
+("Corrections"). This module is the only place that knows the corrections by name: each class owns
+its defaults (:attr:`Correction.defaults`: ``rho_bar``, ``vtrace_advantage``; when its advantages
+are recomputed, :attr:`Correction.refresh_when_stale`) and its per-update behaviour (EWMA's moving
+average, trust's per-update clip). Adding one is a subclass registered with :func:`register`
+(docs/architecture.md, "Extending Tandem", shows it).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import replace
+from typing import Callable, ClassVar
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -88,6 +20,7 @@ from torch import nn
 
 from learner.advantages import bootstrap_mask, compute_gae, current_values
 from learner.minibatch import log_ratio
+from learner.proximal import EWMAProximal, ewma_decay_for
 from learner.vtrace import vtrace
 from shared import keys
 from shared.config import PPOConfig
@@ -163,19 +96,60 @@ def importance_diagnostics(log_rho: torch.Tensor, rho_bar: float) -> dict[str, f
 class Correction:
     """``none``: plain PPO. The base of every correction, which sets ``advantage`` and
     ``value_target`` on a batch in :meth:`__call__`; a subclass says what differs by its attributes
-    and :meth:`targets`, :meth:`weight` and :meth:`select`.
+    and :meth:`targets`, :meth:`weight` and :meth:`select`, and what it does per update by
+    :attr:`proximal`, :meth:`for_update` and its state.
 
     Attributes:
+        name: its ``algorithm.cfg.correction`` value (the registry's key).
+        plain: PPO's own advantages, normalised per minibatch; every other correction normalises
+            once per batch, before any importance weight.
         decoupled: clip PPO's ratio against the policy at the start of the update (the proximal
             policy), not the behaviour policy mu.
         weighted: weight each advantage by ``min(rho_bar, pi / mu)``, after normalising once per batch.
+        defaults: the values of ``algorithm.cfg`` fields left ``null`` (see :meth:`resolve`).
+        refresh_when_stale: with ``advantages_every: null``, recompute the advantages before every
+            epoch of an update whose batch holds stale samples.
+        proximal: what the ratio is clipped against per minibatch, where that is not a fixed log-prob
+            (``ewma``'s moving average), else None.
     """
     name = "none"
+    plain = True
     decoupled = False
     weighted = False
+    defaults: ClassVar[dict[str, object]] = {"rho_bar": 100.0, "vtrace_advantage": "gae"}
+    refresh_when_stale = False
+    proximal: EWMAProximal | None = None
 
-    def __init__(self, cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None]):
-        self.cfg, self.now, self.count = cfg, now, count
+    def __init__(self, cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None],
+                 steps_per_update: int = 1, compiled: bool = False):
+        """`cfg`: ``algorithm.cfg`` (its ``null`` fields take this correction's :attr:`defaults`);
+        `steps_per_update`: optimiser steps in one update; `compiled`: the update runs through
+        ``learner.compile``'s captured step (a per-update value must then live in a device tensor)."""
+        self.cfg, self.now, self.count = self.resolve(cfg), now, count
+
+    @classmethod
+    def resolve(cls, cfg: PPOConfig) -> PPOConfig:
+        """`cfg` with this correction's :attr:`defaults` in place of the fields left ``null``."""
+        return replace(cfg, **{k: v for k, v in cls.defaults.items() if getattr(cfg, k) is None})
+
+    @classmethod
+    def advantages_every(cls, cfg: PPOConfig, stale: bool) -> str:
+        """When advantages are computed in an update whose batch is `stale` or not: ``update`` or ``epoch``."""
+        if cfg.advantages_every is not None:
+            return cfg.advantages_every
+        return "epoch" if cls.refresh_when_stale and stale else "update"
+
+    def for_update(self, mean_lag: float) -> tuple[PPOConfig, dict[str, float]]:
+        """The PPO settings of one update whose samples are `mean_lag` versions old on average, and
+        what to log of them; the configured ones here."""
+        return self.cfg, {}
+
+    def state_dict(self) -> dict:
+        """What a resume needs of this correction, merged into the algorithm's checkpoint state."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     def recomputes(self, stale: bool) -> bool:
         """Whether V(s) and the bootstraps come from the current critic this update."""
@@ -183,7 +157,7 @@ class Correction:
 
     def refreshes(self, stale: bool) -> bool:
         """Whether the advantages are computed again before every epoch after the first."""
-        return self.cfg.advantages_every_for(stale) == "epoch" and (self.name != "none" or self.recomputes(stale))
+        return self.advantages_every(self.cfg, stale) == "epoch" and (not self.plain or self.recomputes(stale))
 
     def targets(self, mu, logp_now, reward, value, next_value, terminated, done, rho_bar):
         """``(advantage, value_target)``: GAE here."""
@@ -213,7 +187,7 @@ class Correction:
         value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
         terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
         recompute = self.recomputes(stale)       # stale samples carry a stale critic's values
-        plain = self.name == "none"
+        plain = self.plain
         if plain and not recompute:
             adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
             flat.set(keys.ADVANTAGE, adv)
@@ -231,7 +205,7 @@ class Correction:
             next_now = self._recomputed_next(flat, value, value_now, out)
         else:
             value_now = value
-        rho_bar = a.rho_bar_for()
+        rho_bar = a.rho_bar
         adv, target = self.targets(mu, logp_now, reward, value_now, next_now, terminated, done, rho_bar)
         flat.set(keys.VALUE_TARGET, target)
         flat.set(keys.VALUE, value_now)          # value clipping (clip_vloss) around the critic the targets used
@@ -262,55 +236,76 @@ class Correction:
         return current_values(value_now, next_value, done, boot, terminated)
 
 
+CORRECTIONS: dict[str, type[Correction]] = {}
+
+
+def register(cls: type[Correction]) -> type[Correction]:
+    """Make `cls` choosable as ``algorithm.cfg.correction: cls.name`` (a class decorator)."""
+    if not cls.name or cls.name in CORRECTIONS and CORRECTIONS[cls.name] is not cls:
+        raise ValueError(f"correction name {cls.name!r} is empty or taken by {CORRECTIONS.get(cls.name)}")
+    CORRECTIONS[cls.name] = cls
+    return cls
+
+
+register(Correction)
+
+
+@register
 class ImportanceSampling(Correction):
     """``is``: decoupled PPO, advantages weighted by ``min(rho_bar, pi_prox / mu)``."""
-    name, decoupled, weighted = "is", True, True
+    name, plain, decoupled, weighted = "is", False, True, True
 
 
+@register
 class VTrace(ImportanceSampling):
-    """``vtrace``: ``is`` with V-trace value targets and advantages."""
+    """``vtrace``: ``is`` with V-trace value targets and advantages, recomputed every epoch on stale data."""
     name = "vtrace"
+    defaults = {"rho_bar": 1.0, "vtrace_advantage": "gae"}
+    refresh_when_stale = True
 
     def targets(self, mu, logp_now, reward, value, next_value, terminated, done, rho_bar):
         a = self.cfg
         lam = a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda
         target, adv, _ = vtrace(mu, logp_now, reward, value, next_value, terminated, done, a.gamma, rho_bar,
-                                a.c_bar, lam, weighted=False, advantage=a.vtrace_advantage_for())
+                                a.c_bar, lam, weighted=False, advantage=a.vtrace_advantage)
         return adv, target
 
 
+@register
 class APPO(VTrace):
-    """``appo``: PPO's clip on pi/mu with V-trace targets and advantages; the extra weight
+    """``appo``: PPO's clip on pi/mu with V-trace targets and IMPALA's advantages; the extra weight
     ``min(rho_bar, pi/mu)`` only with ``appo_rho_weight``."""
     name, decoupled = "appo", False
+    defaults = {"rho_bar": 1.0, "vtrace_advantage": "impala"}
 
     @property
     def weighted(self) -> bool:
         return self.cfg.appo_rho_weight
 
 
-class TrustRegion(VTrace):
-    """``trust``: ``vtrace`` whose clip and per-update move shrink with the batch's mean lag
-    (:meth:`update_config`): a batch acted L versions ago is trained with ``clip_coef / L`` and stops
-    once its KL to pi_k passes ``trust_kl / L``, so the L versions between mu and the next policy
-    move about as far together as one update on fresh data (GePPO's age-scaled clip, Queeney et al.
-    2021; the per-version budget of AReaL's and M2PO's stale training)."""
-    name = "trust"
-
-    @staticmethod
-    def update_config(cfg: PPOConfig, mean_lag: float) -> PPOConfig:
-        """The PPO settings of one update whose samples are `mean_lag` versions old on average."""
-        from dataclasses import replace
-        scale = max(1.0, mean_lag) ** cfg.trust_lag_power
-        return replace(cfg, clip_coef=cfg.clip_coef / scale, target_kl=cfg.trust_kl / scale)
-
-
+@register
 class EWMA(Correction):
-    """``ewma``: normalised once per batch; the weight against the moving average is PPO's, per
-    minibatch (``learner/proximal.py``)."""
-    name = "ewma"
+    """``ewma``: decoupled PPO against an exponential moving average of past weights; the weight
+    ``min(rho_bar, pi_ewma / mu)`` is taken per minibatch (``learner/proximal.py``)."""
+    name, plain = "ewma", False
+
+    def __init__(self, cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None],
+                 steps_per_update: int = 1, compiled: bool = False):
+        super().__init__(cfg, now, count, steps_per_update, compiled)
+        self.decay = cfg.ewma_decay if cfg.ewma_decay is not None else ewma_decay_for(steps_per_update)
+        self.proximal = EWMAProximal(now.policy, self.decay)
+
+    def state_dict(self) -> dict:
+        return {"ewma": self.proximal.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ewma") is not None:
+            self.proximal.load_state_dict(state["ewma"])
+        else:   # a checkpoint from a run without ewma: the average starts at the resumed weights
+            self.proximal = EWMAProximal(self.now.policy, self.decay)
 
 
+@register
 class Mask(ImportanceSampling):
     """``mask``: ``is``, with the samples whose ``pi_prox / mu`` lies outside
     ``[1 / mask_threshold, mask_threshold]`` left out of the update."""
@@ -325,10 +320,58 @@ class Mask(ImportanceSampling):
         return {"masked_frac": masked / keep.numel()}
 
 
-CORRECTIONS: dict[str, type[Correction]] = {c.name: c for c in (Correction, ImportanceSampling, VTrace, APPO,
-                                                                 EWMA, Mask, TrustRegion)}
+@register
+class TrustRegion(VTrace):
+    """``trust``: ``vtrace`` whose clip and per-update KL budget shrink with the batch's mean lag L:
+    ``clip_coef / L**p`` and ``trust_kl / L**p`` (``p = trust_lag_power``; GePPO's age-scaled clip,
+    Queeney et al. 2021, at p = 1)."""
+    name = "trust"
+
+    def __init__(self, cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None],
+                 steps_per_update: int = 1, compiled: bool = False):
+        super().__init__(cfg, now, count, steps_per_update, compiled)
+        # Under learner.compile the clip changes every update, so the loss reads it from a device
+        # tensor filled in place (as the learning rate is), never a constant baked into the compiled
+        # code or the captured graph. The KL budget is read on the host.
+        self._clip = torch.tensor(float(cfg.clip_coef), device=now.device) if compiled else None
+
+    @staticmethod
+    def update_config(cfg: PPOConfig, mean_lag: float) -> PPOConfig:
+        """The PPO settings of one update whose samples are `mean_lag` versions old on average."""
+        scale = max(1.0, mean_lag) ** cfg.trust_lag_power
+        return replace(cfg, clip_coef=cfg.clip_coef / scale, target_kl=cfg.trust_kl / scale)
+
+    def for_update(self, mean_lag: float) -> tuple[PPOConfig, dict[str, float]]:
+        cfg = self.update_config(self.cfg, mean_lag)
+        stats = {"trust_clip": cfg.clip_coef, "trust_kl": cfg.target_kl}
+        if self._clip is not None:
+            self._clip.fill_(cfg.clip_coef)
+            cfg = replace(cfg, clip_coef=self._clip)
+        return cfg, stats
 
 
-def make_correction(cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None]) -> Correction:
+def recommended(buffer_type: str) -> str:
+    """The correction a config gets when it names none: docs/corrections.md's recommendation for the
+    mode (on-policy data needs no correction)."""
+    return Correction.name if buffer_type == "standard" else TrustRegion.name
+
+
+def correction_class(name: str | None) -> type[Correction]:
+    """The registered correction called `name` (None, a PPOConfig built outside a run's config: plain
+    PPO); KeyError naming the choices otherwise."""
+    if name is None:
+        return Correction
+    if name not in CORRECTIONS:
+        raise KeyError(f"unknown correction {name!r}; choose from {', '.join(CORRECTIONS)}")
+    return CORRECTIONS[name]
+
+
+def resolve(cfg: PPOConfig) -> PPOConfig:
+    """`cfg` with its correction's defaults filled in (``rho_bar``, ``vtrace_advantage``)."""
+    return correction_class(cfg.correction).resolve(cfg)
+
+
+def make_correction(cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, int], None],
+                    steps_per_update: int = 1, compiled: bool = False) -> Correction:
     """The correction ``cfg.correction`` names, chosen once per learner."""
-    return CORRECTIONS[cfg.correction](cfg, now, count)
+    return correction_class(cfg.correction)(cfg, now, count, steps_per_update, compiled)

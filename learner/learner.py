@@ -324,7 +324,7 @@ class Learner:
                 "version": self.version, "env_steps": self.env_steps + self.peer_env_steps,
                 "env_steps_trained": self.env_steps_trained, "updates": self.updates,
                 "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "counts": dict(self.counts), "reward_scaler": None, "ref_policy": None, "ewma": None,
+                "counts": dict(self.counts), "reward_scaler": None, "ref_policy": None,
                 **self.algorithm.state_dict(), **self.checkpoints.state_dict()}
 
     def save(self) -> Path | None:

@@ -21,7 +21,7 @@ from torch import nn
 from learner.corrections import CurrentPolicy, make_correction
 from learner.fast_epochs import MinibatchStep, epochs_in_mode
 from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio
-from learner.proximal import EWMAProximal, ewma_decay_for
+from learner.proximal import EWMAProximal
 from shared import keys
 from shared.keys import MASK
 from shared.config import PPOConfig
@@ -45,7 +45,8 @@ def ppo_loss(policy: nn.Module, mb: TensorDictBase, cfg: PPOConfig, renormalize:
     `renormalize`: normalise the advantages over this minibatch (plain PPO; the off-policy
     corrections normalise once per batch instead). `proximal` (the ``ewma`` correction): the
     proximal policy's log-prob of the minibatch's actions; the clip is then centred on it and each
-    advantage weighted by ``min(rho_bar, pi_prox / mu)``. A ``mask`` in the minibatch drops samples.
+    advantage weighted by ``min(cfg.rho_bar, pi_prox / mu)`` (`cfg` resolved by the correction,
+    ``learner.corrections.resolve``). A ``mask`` in the minibatch drops samples.
     """
     adv, anchor, out = _policy_inputs(mb, cfg, proximal)   # before the live forward: no graph yet
     new_logp, entropy, new_value = policy.evaluate_actions(mb)
@@ -74,7 +75,9 @@ def _policy_inputs(mb: TensorDictBase, cfg: PPOConfig, proximal) -> tuple[torch.
     adv, anchor, out = mb[keys.ADVANTAGE], mb[keys.LOG_PROB], {}
     if proximal is not None:
         prox = proximal(mb)
-        weight = clamped_log_ratio(prox, mb[keys.LOG_PROB]).exp().clamp(max=cfg.rho_bar_for())
+        if cfg.rho_bar is None:
+            raise ValueError("ppo_loss: a proximal policy needs cfg.rho_bar (learner.corrections.resolve fills it)")
+        weight = clamped_log_ratio(prox, mb[keys.LOG_PROB]).exp().clamp(max=cfg.rho_bar)
         adv, anchor = adv * weight, prox
         out["prox_weight_mean"] = weight.mean()
     return adv, anchor, out
@@ -173,8 +176,8 @@ class PPO:
         cfg: ``algorithm.cfg``.
         policy, optimizer, generator: the learner's (the generator orders the minibatches).
         device: the learner's device.
-        steps_per_update: optimiser steps in one update (the ``ewma`` correction's default decay).
-        count: ``count(name, n)`` adds to a run counter (the ``mask`` correction's dropped samples).
+        steps_per_update: optimiser steps in one update (a correction's default, e.g. ``ewma``'s decay).
+        count: ``count(name, n)`` adds to a run counter (e.g. the samples a correction dropped).
         critic_thread: an executor for the value loss (``learner.critic_thread``), or None.
         step: the ``learner.compile`` minibatch step (``learner/fast_epochs.py``), or None (eager).
     """
@@ -186,19 +189,12 @@ class PPO:
                  step: MinibatchStep | None = None):
         self.cfg, self.policy, self.optimizer, self.generator = cfg, policy, optimizer, generator
         self.critic_thread, self.step = critic_thread, step
-        self.ewma = None   # the ewma correction's proximal policy
-        if cfg.correction == "ewma":
-            decay = cfg.ewma_decay if cfg.ewma_decay is not None else ewma_decay_for(steps_per_update)
-            self.ewma = EWMAProximal(policy, decay)
+        self.correction = make_correction(cfg, CurrentPolicy(policy, device), count, steps_per_update,
+                                          compiled=step is not None)
+        self.cfg = self.correction.cfg           # with the correction's defaults filled in
         self.reward_scaler = RewardScaler(cfg.gamma) if cfg.normalize_reward else None
-        self.correction = make_correction(cfg, CurrentPolicy(policy, device), count)
         self._renormalize, self._refresh = True, None
-        self._update_cfg = cfg   # the trust correction's per-update clip and KL budget
-        # trust with learner.compile "compile" or "graph": the clip changes every update, so the loss
-        # reads it from a device tensor filled in place (as the learning rate is), never a constant
-        # baked into the compiled code or the captured graph. The KL budget is read on the host.
-        self._clip = (torch.tensor(float(cfg.clip_coef), device=device)
-                      if cfg.correction == "trust" and step is not None else None)
+        self._update_cfg = self.cfg              # this update's settings (the trust correction's change per update)
 
     def observe(self, actor: int, reward: torch.Tensor, done: torch.Tensor) -> None:
         """A received rollout's rewards (any thread): the reward scaler's running statistics."""
@@ -220,29 +216,21 @@ class PPO:
             mu = batch[keys.LOG_PROB].clone()
             self._refresh = lambda: self.correction(batch, reward, stale, behaviour=mu)  # noqa: E731
         stats, self._renormalize = self.correction(batch, reward, stale)
-        if self.cfg.correction == "trust":
-            self._update_cfg = self.correction.update_config(self.cfg, float(lags.float().mean()))
-            stats.update({"trust_clip": self._update_cfg.clip_coef, "trust_kl": self._update_cfg.target_kl})
-            if self._clip is not None:
-                self._clip.fill_(self._update_cfg.clip_coef)
-                self._update_cfg = replace(self._update_cfg, clip_coef=self._clip)
+        self._update_cfg, per_update = self.correction.for_update(float(lags.float().mean()))
+        stats.update(per_update)
         return stats
 
     def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:
         """The epochs over a prepared `batch`; `policy` is the learner's, or its DDP wrapper."""
         return ppo_update(policy, self.optimizer, batch, self._update_cfg, self.generator, hooks=hooks,
-                          renormalize=self._renormalize, proximal=self.ewma, critic_thread=self.critic_thread,
+                          renormalize=self._renormalize, proximal=self.correction.proximal, critic_thread=self.critic_thread,
                           refresh=self._refresh, step=self.step)
 
     def state_dict(self) -> dict:
         return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
-                "ewma": self.ewma.state_dict() if self.ewma is not None else None}
+                **self.correction.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.ewma is not None:
-            if state.get("ewma") is not None:
-                self.ewma.load_state_dict(state["ewma"])
-            else:   # a checkpoint from a run without ewma: the average starts at the resumed weights
-                self.ewma = EWMAProximal(self.policy, self.ewma.decay)
+        self.correction.load_state_dict(state)
         if self.reward_scaler is not None and state.get("reward_scaler") is not None:
             self.reward_scaler.load_state_dict(state["reward_scaler"])

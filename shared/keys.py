@@ -27,7 +27,7 @@ BOOTSTRAP_OBS = "bootstrap_observation"  # vla-mode PPO only (shared.rollout.sen
 # Learner-side, added to sampled batches (never sent by actors)
 ADVANTAGE = "advantage"
 VALUE_TARGET = "value_target"
-MASK = "mask"                   # bool: which steps take part in the update (GRPO, the mask correction)
+MASK = "update_mask"            # bool: which steps take part in the update (GRPO, a correction that drops samples)
 
 # Per-rollout episode statistics travel in the message meta (they are not [N, T]-shaped).
 META_EPISODE_RETURNS = "episode_returns"

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from learner.advantages import compute_gae
-from learner.corrections import CurrentPolicy, make_correction
+from learner.corrections import CORRECTIONS, CurrentPolicy, make_correction, resolve
 from learner.minibatch import log_ratio
 from learner.ppo import ppo_loss
 from learner.proximal import EWMAProximal, ewma_decay_for
@@ -71,7 +71,7 @@ def test_appo_weights_its_advantage_by_the_truncated_ratio_only_when_asked(tmp_p
     a = cfg.algorithm.cfg
     _, adv, _ = vtrace(td[keys.LOG_PROB], logp_now, td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE],
                        td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
-                       advantage=a.vtrace_advantage_for())
+                       advantage=resolve(a).vtrace_advantage)
     rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
     expected = _norm(adv) * (rho.clamp(max=1.0) if rho_weight else 1.0)
     torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], expected)
@@ -135,27 +135,30 @@ def test_appo_targets_are_vtrace_and_its_clip_is_anchored_on_the_behaviour_polic
 
 
 def test_rho_bar_defaults_per_correction():
-    assert PPOConfig(correction="is").rho_bar_for() == 100.0
-    assert PPOConfig(correction="ewma").rho_bar_for() == 100.0
-    assert PPOConfig(correction="mask").rho_bar_for() == 100.0
-    assert PPOConfig(correction="vtrace").rho_bar_for() == 1.0
-    assert PPOConfig(correction="appo").rho_bar_for() == 1.0
-    assert PPOConfig(correction="is", rho_bar=2.5).rho_bar_for() == 2.5
+    assert resolve(PPOConfig(correction="is")).rho_bar == 100.0
+    assert resolve(PPOConfig(correction="ewma")).rho_bar == 100.0
+    assert resolve(PPOConfig(correction="mask")).rho_bar == 100.0
+    assert resolve(PPOConfig(correction="vtrace")).rho_bar == 1.0
+    assert resolve(PPOConfig(correction="appo")).rho_bar == 1.0
+    assert resolve(PPOConfig(correction="trust")).rho_bar == 1.0
+    assert resolve(PPOConfig(correction="is", rho_bar=2.5)).rho_bar == 2.5
 
 
 def test_vtrace_and_appo_defaults_are_the_measured_ones():
-    assert PPOConfig(correction="vtrace").vtrace_advantage_for() == "gae"
-    assert PPOConfig(correction="appo").vtrace_advantage_for() == "impala"
-    assert PPOConfig(correction="appo", vtrace_advantage="gae").vtrace_advantage_for() == "gae"
+    assert resolve(PPOConfig(correction="vtrace")).vtrace_advantage == "gae"
+    assert resolve(PPOConfig(correction="appo")).vtrace_advantage == "impala"
+    assert resolve(PPOConfig(correction="appo", vtrace_advantage="gae")).vtrace_advantage == "gae"
     assert PPOConfig().appo_rho_weight is True
     # appo recomputes its advantages every epoch on stale data only: on fresh data it is plain PPO
-    assert PPOConfig(correction="appo").advantages_every_for(stale=True) == "epoch"
-    assert PPOConfig(correction="appo").advantages_every_for(stale=False) == "update"
-    assert PPOConfig(correction="vtrace").advantages_every_for(stale=True) == "epoch"
-    assert PPOConfig(correction="vtrace").advantages_every_for(stale=False) == "update"
-    assert PPOConfig(correction="is").advantages_every_for(stale=True) == "update"
-    assert PPOConfig(correction="is", advantages_every="epoch").advantages_every_for(stale=False) == "epoch"
-    assert PPOConfig(correction="appo", advantages_every="update").advantages_every_for(stale=True) == "update"
+    every = lambda name, stale, **kw: CORRECTIONS[name].advantages_every(PPOConfig(correction=name, **kw), stale)  # noqa: E731
+    assert every("appo", True) == "epoch"
+    assert every("appo", False) == "update"
+    assert every("vtrace", True) == "epoch"
+    assert every("vtrace", False) == "update"
+    assert every("trust", True) == "epoch"
+    assert every("is", True) == "update"
+    assert every("is", False, advantages_every="epoch") == "epoch"
+    assert every("appo", True, advantages_every="update") == "update"
 
 
 def _tiny_policy():
@@ -229,12 +232,13 @@ def test_ewma_default_decay_matches_plain_ppos_proximal_age():
 
 def test_ewma_run_moves_the_average_every_optimiser_step(tmp_path, monkeypatch):
     cfg, learner, *_ , stats = _stale_update(tmp_path, monkeypatch, lag=1, correction="ewma")
-    assert learner.algorithm.ewma is not None
+    prox = learner.algorithm.correction.proximal
+    assert prox is not None
     steps = cfg.algorithm.cfg.n_epochs * -(-cfg.actors.num_envs * cfg.trainer.buffer_size // cfg.algorithm.cfg.batch_size)
-    assert learner.algorithm.ewma.decay == pytest.approx(ewma_decay_for(steps))
+    assert prox.decay == pytest.approx(ewma_decay_for(steps))
     assert 0 < stats["prox_weight_mean"]
     live = dict(learner.policy.named_parameters())
-    moved = [not torch.equal(t, live[n.removeprefix("policy.")]) for n, t in learner.algorithm.ewma.tensors.items()]
+    moved = [not torch.equal(t, live[n.removeprefix("policy.")]) for n, t in prox.tensors.items()]
     assert any(moved)                              # an average of past weights, not the live ones
 
 
@@ -391,7 +395,7 @@ def test_advantages_every_epoch_recomputes_from_the_live_critic_and_keeps_the_an
         next_now = current_values(c["value"], td[keys.NEXT_VALUE], td[keys.DONE], c["boot"], td[keys.TERMINATED])
         _, adv, _ = vtrace(td[keys.LOG_PROB], c["logp"], c["reward"], c["value"], next_now,
                            td[keys.TERMINATED], td[keys.DONE], a.gamma, 1.0, 1.0, a.gae_lambda, weighted=False,
-                           advantage=a.vtrace_advantage_for())
+                           advantage=resolve(a).vtrace_advantage)
         rho = log_ratio(c["logp"], td[keys.LOG_PROB]).exp()
         torch.testing.assert_close(c["adv"], _norm(adv) * rho.clamp(max=1.0))
 
@@ -450,7 +454,7 @@ def test_trust_clips_around_pi_k_over_mu_and_shrinks_with_the_lag(tmp_path, monk
     assert not torch.allclose(batch[keys.LOG_PROB].view_as(logp_now), td[keys.LOG_PROB])
     a = cfg.algorithm.cfg
     assert stats["trust_clip"] == pytest.approx(a.clip_coef / 3) and stats["trust_kl"] == pytest.approx(0.02)
-    assert a.rho_bar_for() == 1.0 and a.advantages_every_for(stale=True) == "epoch"
+    assert resolve(a).rho_bar == 1.0 and CORRECTIONS["trust"].advantages_every(a, stale=True) == "epoch"
     # in pi/mu terms the clip band is pi_k/mu x [1 - eps, 1 + eps]: a sample the update moved to
     # exactly the band's edge is not clipped, one just beyond it is
     from learner.corrections import TrustRegion
@@ -468,3 +472,34 @@ def test_trust_clips_around_pi_k_over_mu_and_shrinks_with_the_lag(tmp_path, monk
     assert half.clip_coef == pytest.approx(a.clip_coef / 2) and half.target_kl == pytest.approx(a.trust_kl / 2)
     fixed = TrustRegion.update_config(replace(a, trust_lag_power=0.0), 8.0)  # a fixed budget per version
     assert fixed.clip_coef == a.clip_coef and fixed.target_kl == a.trust_kl
+
+
+def test_a_correction_added_through_the_registry_alone_is_configurable_and_trains(tmp_path, monkeypatch):
+    """Adding a correction is one class and its registry entry: the config accepts its name, its
+    defaults fill the config's nulls, and the learner trains with it; nothing else changes."""
+    from learner.corrections import ImportanceSampling, register
+
+    class HalvedIS(ImportanceSampling):
+        """A toy: ``is`` whose weighted advantages are halved, with its own rho_bar default."""
+        name = "toy_halved_is"
+        defaults = {"rho_bar": 3.0, "vtrace_advantage": "gae"}
+
+        def weight(self, adv, rho, rho_bar):
+            return 0.5 * super().weight(adv, rho, rho_bar)
+
+    register(HalvedIS)
+    try:
+        cfg, learner, td, logp_now, _, seen, stats = _stale_update(tmp_path, monkeypatch, correction=HalvedIS.name,
+                                                                   recompute_values=False)
+        assert type(learner.algorithm.correction) is HalvedIS and learner.algorithm.cfg.rho_bar == 3.0
+        a = cfg.algorithm.cfg
+        adv, _ = compute_gae(td[keys.REWARD], td[keys.VALUE], td[keys.NEXT_VALUE], td[keys.TERMINATED],
+                             td[keys.DONE], a.gamma, a.gae_lambda)
+        rho = log_ratio(logp_now, td[keys.LOG_PROB]).exp()
+        torch.testing.assert_close(seen["batch"][keys.ADVANTAGE], 0.5 * _norm(adv) * rho.clamp(max=3.0))
+        torch.testing.assert_close(seen["batch"][keys.LOG_PROB], logp_now)     # decoupled, as is: clip on pi_k
+        assert learner.updates == 4 and stats                                    # three before, then this one
+    finally:
+        CORRECTIONS.pop(HalvedIS.name)
+    with pytest.raises(Exception, match="toy_halved_is"):                 # gone with its registry entry
+        _stale_update(tmp_path / "after", monkeypatch, correction=HalvedIS.name)

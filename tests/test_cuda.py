@@ -227,6 +227,7 @@ def test_graph_mode_equals_eager_on_the_device(form):
     to rounding (cuBLAS may pick other kernels inside a capture). A learning rate changed between
     updates reaches the captured step (a device tensor, filled in place), and so do the observation
     normaliser's statistics (updated in place after every update, never read from a stale copy)."""
+    from learner.corrections import resolve
     from learner.fast_epochs import MinibatchStep
     from learner.learner import make_optimizer
     from learner.ppo import ppo_update
@@ -239,8 +240,8 @@ def test_graph_mode_equals_eager_on_the_device(form):
     for mode in ("off", "graph"):
         _, policy, td = _actor_critic_batch(300, seed=3, with_mask=with_mask)
         policy, td = policy.to(DEV), td.to(DEV)
-        cfg = PPOConfig(n_epochs=3, batch_size=64, clip_vloss=True, max_grad_norm=0.5,
-                        correction="ewma" if with_prox else "none")
+        cfg = resolve(PPOConfig(n_epochs=3, batch_size=64, clip_vloss=True, max_grad_norm=0.5,
+                                correction="ewma" if with_prox else "none"))
         opt = make_optimizer(policy, 1e-3, 1e-5)
         prox = EWMAProximal(policy, 0.9) if with_prox else None
         step = MinibatchStep(mode, policy, opt, 0.5) if mode == "graph" else None

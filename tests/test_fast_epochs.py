@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import learner.fast_epochs as fast_epochs
+from learner.corrections import resolve
 from learner.fast_epochs import MinibatchStep, resolve_mode
 from learner.grpo import grpo_update
 from learner.learner import make_optimizer
@@ -49,8 +50,8 @@ def _ppo_run(mode, form, n=300, n_epochs=3, batch_size=64, target_kl=None, poiso
     _, policy, td = _actor_critic_batch(n, seed=3, with_mask=with_mask)
     if poison is not None:
         td[keys.ADVANTAGE][poison] = float("nan")
-    cfg = PPOConfig(n_epochs=n_epochs, batch_size=batch_size, clip_vloss=True, max_grad_norm=0.5, ent_coef=0.01,
-                    target_kl=target_kl, correction="ewma" if with_prox else "none")
+    cfg = resolve(PPOConfig(n_epochs=n_epochs, batch_size=batch_size, clip_vloss=True, max_grad_norm=0.5,
+                            ent_coef=0.01, target_kl=target_kl, correction="ewma" if with_prox else "none"))
     opt = make_optimizer(policy, 1e-3, 1e-5)
     prox = EWMAProximal(policy, 0.9) if with_prox else None
     _fresh_compiler(mode)
@@ -103,7 +104,7 @@ def test_a_non_finite_minibatch_takes_no_step_in_every_mode(mode):
     torch.manual_seed(0)
     _, policy, td = _actor_critic_batch(128, seed=3, with_mask=False)
     td[keys.ADVANTAGE][5] = float("nan")
-    cfg = PPOConfig(n_epochs=1, batch_size=128, max_grad_norm=0.5, correction="ewma")
+    cfg = resolve(PPOConfig(n_epochs=1, batch_size=128, max_grad_norm=0.5, correction="ewma"))
     opt = make_optimizer(policy, 1e-3, 1e-5)
     prox = EWMAProximal(policy, 0.9)
     _fresh_compiler(mode)

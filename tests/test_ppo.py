@@ -146,14 +146,15 @@ def test_critic_thread_gives_the_same_update_to_the_last_bit(correction, with_ma
     import itertools
     from concurrent.futures import ThreadPoolExecutor
 
+    from learner.corrections import resolve
     from learner.learner import make_optimizer
     from learner.proximal import EWMAProximal
     results = []
     for threaded in (False, True):
         when = itertools.cycle([True, False, False]).__next__ if threaded and gated else None
         cfg, policy, td = _actor_critic_batch(300, seed=3, with_mask=with_mask)
-        a = PPOConfig(n_epochs=3, batch_size=64, correction=correction, clip_vloss=clip_vloss, max_grad_norm=0.5,
-                      ent_coef=0.01)
+        a = resolve(PPOConfig(n_epochs=3, batch_size=64, correction=correction, clip_vloss=clip_vloss,
+                              max_grad_norm=0.5, ent_coef=0.01))
         opt = make_optimizer(policy, 1e-3, 1e-5)
         prox = EWMAProximal(policy, 0.9) if correction == "ewma" else None
         pool = ThreadPoolExecutor(1) if threaded else None
