@@ -152,7 +152,7 @@ class Run:
         """When the actors took new weights, resolved as ``shared.config.weights_at`` does: "step"
         or "rollout" ("auto" is step in vla mode with sync_every 1; runs from before the key existed
         took weights at rollout boundaries)."""
-        if self.setting("trainer", "buffer_type") != "vla":
+        if self.setting("trainer", "buffer_type") == "standard":
             return "rollout"
         value = self.setting("actors", "weights_at", default="rollout")
         if value == "auto":

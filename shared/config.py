@@ -95,14 +95,15 @@ class TrainerConfig:
     """Env steps to collect (all actors together) before the run ends."""
     buffer_size: Annotated[int, Range(ge=1)] = 128
     """Steps per env per rollout (T): one rollout is [num_envs, buffer_size]."""
-    buffer_type: Literal["standard", "vla"] = "vla"
-    """standard: strict on-policy lock-step. vla: asynchronous actors, circular buffer, lag filter."""
+    buffer_type: Literal["standard", "async", "vla"] = "async"
+    """standard: strict on-policy lock-step. async: asynchronous actors, circular buffer, lag filter
+    ("vla", the older spelling of async, is accepted and read as async)."""
     buffer_capacity: Annotated[int, Range(ge=1)] = 8
-    """Circular buffer capacity, in rollouts (vla mode)."""
+    """Circular buffer capacity, in rollouts (async mode)."""
     max_policy_lag: Annotated[int, Range(ge=0)] = 4
-    """vla mode: rollouts older than this many versions are dropped (counted)."""
+    """async mode: rollouts older than this many versions are dropped (counted)."""
     lag_policy: Literal["drop", "pace"] = "pace"
-    """vla mode. pace (default): an actor keeps at most
+    """async mode. pace (default): an actor keeps at most
     min(ceil(max_policy_lag x rollouts_per_update / num_actors), buffer_capacity // num_actors) of
     its rollouts unconsumed at the learner (never fewer than one update needs) and waits for the
     learner before collecting more: staleness is bounded by admission, so data arrives young
@@ -151,10 +152,10 @@ class TrainerConfig:
 
 def weights_at(cfg: "Config") -> str:
     """``actors.weights_at`` resolved: "step" (in-flight weight updates) or "rollout". Standard
-    mode is always "rollout" (every version trains on its own data); "auto" is "step" in vla mode
+    mode is always "rollout" (every version trains on its own data); "auto" is "step" in async mode
     unless ``actors.sync_every`` > 1 asks to hold weights for several rollouts."""
     a = cfg.actors
-    if cfg.trainer.buffer_type != "vla":
+    if cfg.trainer.buffer_type == "standard":
         return "rollout"
     if a.weights_at == "auto":
         return "step" if a.sync_every == 1 else "rollout"
@@ -172,7 +173,7 @@ class ActorsConfig:
     sync_every: Annotated[int, Range(ge=1)] = 1
     """Take new weights at most every this many rollouts (newest version only)."""
     weights_at: Literal["auto", "rollout", "step"] = "auto"
-    """When an actor takes new weights (vla mode). auto (the default): step when
+    """When an actor takes new weights (async mode). auto (the default): step when
     ``actors.sync_every`` is 1, rollout when it asks to hold weights for several rollouts (what step
     gains: docs/results/inflight_latency.md). rollout: only between rollouts, so a whole
     rollout is acted by one version. step: between env steps too, as soon as a newer version
@@ -220,7 +221,7 @@ class ActorsConfig:
     only copy and acts for every actor on that device, batching their requests into one forward pass;
     actors then only step their envs (actors/inference.py). For large models: one copy per device
     instead of one per actor, and one call a round instead of one per actor. Every step records the
-    version that acted (the server takes new weights between batches, so in vla mode that is
+    version that acted (the server takes new weights between batches, so in async mode that is
     weights_at "step")."""
     server_max_batch: Annotated[int, Range(ge=0)] = 0
     """server: the most envs in one forward pass (0: every served actor's envs, num_envs each); at
@@ -279,7 +280,7 @@ class LearnerConfig:
     torch_threads: Union[Annotated[int, Range(ge=1)], Literal["auto", "idle"]] = 1
     """Intra-op threads for the update. auto: the cores this process may use, less those busy
     collecting while it trains: all of them in standard mode (the actors wait for every update),
-    and one per actor fewer in vla mode (the actors collect meanwhile; at least one), shared among
+    and one per actor fewer in async mode (the actors collect meanwhile; at least one), shared among
     the learner ranks on this host. That counts the actors as local (launch/run_local.sh); with
     actors on other hosts, give the number. idle: one thread, raised to every core this process may
     use (shared among the local learner ranks) for the minibatches taken while the actors have
@@ -294,9 +295,9 @@ class LearnerConfig:
     share no parameter, so the gradients and the update are the same as without it; what changes is
     that the update keeps two cores busy (half its work each for equal-sized networks). auto: on
     where the learner is on CPU and has a core to spare for it: in standard mode (the actors wait
-    for every update) always when the host has two cores or more; in vla mode when it has more cores
+    for every update) always when the host has two cores or more; in async mode when it has more cores
     than actors plus one. true: on wherever it applies (an error names why where it cannot).
-    Worth it where cores are idle during the update, not where actors need them (in vla mode the
+    Worth it where cores are idle during the update, not where actors need them (in async mode the
     thread takes the core the actors collect on): hence off by default. idle: the thread, used for a
     minibatch only while the actors have nothing to collect, i.e. while the next batch already waits
     in the buffer (under lag_policy "pace" they then wait for the learner; in standard mode they
@@ -471,21 +472,10 @@ class PPOConfig(ClippedPGConfig):
     """Normalise advantages to zero mean and unit std in each minibatch."""
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
-    correction: Literal["none", "is", "vtrace", "appo", "ewma", "mask", "trust"] = "none"
-    """Off-policy correction for stale data; ``learner/corrections.py`` says when to use which.
-    none: PPO's ratio on the behaviour log-prob mu. is: decoupled PPO, the clip centred on the
-    policy at the start of the update, advantages weighted by min(rho_bar, pi/mu). vtrace: is, with
-    IMPALA's V-trace value targets and advantages. appo: Sample Factory's APPO, PPO's clip on pi/mu
-    with V-trace targets and advantages (see appo_rho_weight). ewma: decoupled PPO whose proximal
-    policy is an exponential moving average of past weights (Hilton et al. 2021). mask: is, with the
-    samples whose pi/mu lies outside [1/mask_threshold, mask_threshold] dropped from the update.
-    trust: vtrace with a trust region that knows the data's age: the clip (centred on pi_k/mu, as
-    vtrace's) shrinks to clip_coef / s and each update stops once its approximate KL to pi_k passes
-    trust_kl / s (checked per epoch), s the batch's mean lag raised to trust_lag_power; at a mean lag
-    of 1 or less it is vtrace with target_kl = trust_kl. Any correction but none normalises
-    advantages once per batch, before the importance weight.
-    Recommended in vla mode: trust (is where an extra forward pass per epoch costs more than the
-    lag). The measurements behind that: docs/staleness.md."""
+    correction: Optional[str] = None
+    """Off-policy correction for stale data: none, is, vtrace, appo, ewma, mask, trust, or one
+    registered in ``learner/corrections.py``. null: the one recommended for the mode (trust in async
+    mode, none in standard mode). What each does and when to use which: docs/corrections.md."""
     rho_bar: Optional[Annotated[float, Range(gt=0)]] = None
     """Truncation of the importance weights. None: 100 for is, ewma and mask (Hilton et al.'s
     reference code clips there; a weight of 1 would pull every update back towards mu), 1 for vtrace
@@ -528,10 +518,10 @@ class PPOConfig(ClippedPGConfig):
     recompute_values: Optional[bool] = None
     """Recompute V(s), and every bootstrap value, with the current critic instead of using the
     values the actor's (older) critic gave when it acted. None (default): when the batch holds
-    samples acted by an older version than the learner's (vla mode), which costs one forward pass
+    samples acted by an older version than the learner's (async mode), which costs one forward pass
     over the batch and is a no-op on fresh data; true: always; false: never, for every correction
     (V-trace then runs on the acting critic's values). The bootstrap after a truncation and after a
-    rollout's last step is recomputed from the observation vla-mode actors send for it
+    rollout's last step is recomputed from the observation async-mode actors send for it
     (``bootstrap_observation``); a rollout without one (a recording from before it existed, or
     standard mode, where nothing is stale) keeps the actor's ``next_value`` there."""
 
@@ -543,28 +533,9 @@ class PPOConfig(ClippedPGConfig):
     "What matters in on-policy RL") recommend per pass. The anchor the ratio is clipped against
     stays what the correction set at the start of the update (mu, or the proximal policy), and
     ``mask`` keeps the samples it chose then. Costs one forward pass over the batch per epoch.
-    None (default): epoch for appo and vtrace on a batch that holds stale samples (vla mode), else
+    None (default): epoch for appo and vtrace on a batch that holds stale samples (async mode), else
     update, so that every correction is plain PPO on fresh data (measured: docs/staleness.md). No
     effect with ``correction: none`` and ``recompute_values: false``."""
-
-    def vtrace_advantage_for(self) -> str:
-        """The V-trace advantage in use (the default depends on the correction)."""
-        if self.vtrace_advantage is not None:
-            return self.vtrace_advantage
-        return "impala" if self.correction == "appo" else "gae"
-
-    def advantages_every_for(self, stale: bool) -> str:
-        """When advantages are computed in an update whose batch is `stale` or not (the default
-        depends on the correction and the data)."""
-        if self.advantages_every is not None:
-            return self.advantages_every
-        return "epoch" if self.correction in ("appo", "vtrace", "trust") and stale else "update"
-
-    def rho_bar_for(self) -> float:
-        """The truncation level in use (the default depends on the correction)."""
-        if self.rho_bar is not None:
-            return self.rho_bar
-        return 1.0 if self.correction in ("vtrace", "appo", "trust") else 100.0
 
 
 @dataclass
@@ -608,7 +579,7 @@ class GRPOConfig(ClippedPGConfig):
     teaches nothing; leave it out of the loss, and keep the batch size by taking more rollouts until
     an update holds as many groups that differ as rollouts_per_update rollouts would. A rollout with
     no such group is dropped at once (counted as "uninformative"). "The same" is what the baseline
-    compares: within 1e-6 of each other. Needs trainer.buffer_type "vla" (standard mode trains each
+    compares: within 1e-6 of each other. Needs trainer.buffer_type "async" (standard mode trains each
     version on exactly the rollouts acted by it, and has no more to take)."""
     dynamic_sampling_min_accuracy: Annotated[float, Range(ge=0, le=1)] = 0.0
     """With dynamic sampling, the lower end of a band on a group's success rate, kept instead of
@@ -788,11 +759,23 @@ def _build(cls: type, raw: dict, path: str, errors: list[str]) -> Any:
 
 
 def _check(cfg: Config) -> list[str]:
-    """Cross-field rules; every violated rule is reported. Single fields' bounds are their `Range`s."""
-    t, a, le, alg, p = cfg.trainer, cfg.actors, cfg.learner, cfg.algorithm.cfg, cfg.policy
-    errors = []
+    """Cross-field rules, one function per concern; every violated rule is reported. Single fields'
+    bounds are their `Range`s; the rules also run when a value is out of its Range (a group_size of 0
+    is reported there)."""
+    return [e for rule in (_check_algorithm, _check_devices, _check_transport, _check_learner_threads,
+                           _check_server, _check_trainer, _check_policy) for e in rule(cfg)]
+
+
+def _check_algorithm(cfg: Config) -> list[str]:
+    """algorithm.cfg against the rest: GRPO's groups, dynamic sampling, the correction, the batch."""
+    t, a, alg, p = cfg.trainer, cfg.actors, cfg.algorithm.cfg, cfg.policy
+    errors: list[str] = []
+    if isinstance(alg, PPOConfig):
+        from learner.corrections import CORRECTIONS   # the registry; imported here, as it imports this module
+        if alg.correction not in CORRECTIONS:
+            errors.append(f"algorithm.cfg.correction: {alg.correction!r} is not a correction; choose from "
+                          f"{', '.join(map(repr, CORRECTIONS))}")
     grpo = isinstance(alg, GRPOConfig)
-    # the rules also run when a value is out of its Range (a group_size of 0 is reported there)
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
                       f"({alg.group_size}); GRPO splits each actor's envs into groups")
@@ -804,54 +787,35 @@ def _check(cfg: Config) -> list[str]:
     if grpo and p.name == "actor_critic":
         errors.append(f"policy.name: GRPO is critic-free: use \"actor_only\" (got {p.name!r}; "
                       f"algorithm.name is \"grpo\")")
+    band = (getattr(alg, "dynamic_sampling_min_accuracy", 0.0), getattr(alg, "dynamic_sampling_max_accuracy", 1.0))
+    if band != (0.0, 1.0):
+        if not getattr(alg, "dynamic_sampling", False):
+            errors.append(f"algorithm.cfg.dynamic_sampling_min_accuracy / _max_accuracy {band}: a band for dynamic "
+                          f"sampling, which is off (algorithm.cfg.dynamic_sampling: false)")
+        if band[0] >= band[1]:
+            errors.append(f"algorithm.cfg.dynamic_sampling_min_accuracy {band[0]} must be below "
+                          f"dynamic_sampling_max_accuracy {band[1]}: no group could be kept")
+    if getattr(alg, "dynamic_sampling", False) and t.buffer_type == "standard":
+        errors.append("algorithm.cfg.dynamic_sampling needs trainer.buffer_type \"async\": it takes more rollouts "
+                      "than rollouts_per_update when groups are dropped, and standard mode has no more of a "
+                      "version than that")
+    samples = cfg.rollouts_per_update * a.num_envs * t.buffer_size
+    if alg.batch_size > samples:
+        errors.append(f"algorithm.cfg.batch_size: {alg.batch_size} is larger than one update's data "
+                      f"(rollouts_per_update x actors.num_envs x trainer.buffer_size = {samples})")
+    return errors
+
+
+def _check_devices(cfg: Config) -> list[str]:
+    """Device names, and several learner ranks (learner.devices)."""
+    t, a, le, alg = cfg.trainer, cfg.actors, cfg.learner, cfg.algorithm.cfg
+    errors: list[str] = []
     if not a.devices:
         errors.append("actors.devices: must name at least one device, e.g. [\"cpu\"]")
     for i, name in enumerate(a.emulated_devices):
         if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
             errors.append(f"actors.emulated_devices[{i}]: {name!r} is not a device name (1-64 letters, digits, "
                           f"'_', '.' or '-'; it names a lock file)")
-    ring_weights = le.weights_transport in ("shm", "cuda_ipc")
-    if ring_weights and a.weights_delay_s > 0:
-        errors.append(f"actors.weights_delay_s: a delay cannot be combined with learner.weights_transport "
-                      f"\"{le.weights_transport}\" (the ring would be rewritten before a delayed version is loaded)")
-    if le.weights_transport == "cuda_ipc":
-        not_cuda = [f"{key} {dev!r}" for key, dev in ([("learner.device", le.device), ("trainer.eval_device", t.eval_device)]
-                                                    + [(f"actors.devices[{i}]", d) for i, d in enumerate(a.devices)])
-                    if not str(dev).startswith("cuda")]
-        if not_cuda:
-            errors.append(f"learner.weights_transport \"cuda_ipc\": the learner, the evaluator and every actor must be "
-                          f"on CUDA (a CPU process would open a CUDA context only to copy the weights out), but "
-                          f"{', '.join(not_cuda)}; use \"shm\"")
-    if a.weights_lag_versions:
-        if t.buffer_type != "vla":
-            errors.append(f"actors.weights_lag_versions: {a.weights_lag_versions} needs trainer.buffer_type \"vla\" "
-                          f"(standard mode trains each version on its own data only)")
-        if a.weights_delay_s > 0:
-            errors.append("actors.weights_lag_versions / actors.weights_delay_s: choose one staleness knob")
-        if ring_weights:
-            errors.append(f"actors.weights_lag_versions: cannot be combined with learner.weights_transport "
-                          f"\"{le.weights_transport}\" (the ring keeps only learner.shm_slots versions)")
-    if a.rollout_transport == "ring":
-        # the ring lives in this host's memory: refuse it wherever an actor could be on another host
-        why = [w for w, bad in (
-            (f"learner.host is {le.host!r} (actors may connect from other hosts; use 127.0.0.1)",
-             le.host not in ("127.0.0.1", "localhost", "::1")),
-            (f"learner.advertise_host is {le.advertise_host!r} (actors on other hosts)",
-             le.advertise_host not in ("", "127.0.0.1", "localhost", "::1")),
-            ("CURVE is on (learner.curve_secret_key / actors.curve_secret_key: actors on other hosts)",
-             bool(le.curve_secret_key or a.curve_secret_key)),
-            (f"learner.devices has {len(le.devices)} ranks (one ring owner only)", len(le.devices) > 1)) if bad]
-        if why:
-            errors.append("actors.rollout_transport: \"ring\" needs every actor on the learner's host and one "
-                          "learner rank, but " + "; and ".join(why) + "; use \"zmq\"")
-    errors += _check_ray_resources(cfg.launch.ray, len(le.devices) or 1)
-    if bool(le.curve_secret_key) != bool(le.curve_authorized_keys):
-        errors.append("learner.curve_secret_key / learner.curve_authorized_keys: set both (CURVE on) or neither")
-    if bool(a.curve_secret_key) != bool(a.curve_server_key):
-        errors.append("actors.curve_secret_key / actors.curve_server_key: set both (CURVE on) or neither")
-    if le.curve_secret_key and not a.curve_secret_key:
-        errors.append("actors.curve_secret_key: the learner requires CURVE (learner.curve_secret_key is set), "
-                      "so actors need keys too")
     for i, dev in enumerate([*a.devices, le.device, t.eval_device]):
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
             where = (f"actors.devices[{i}]" if i < len(a.devices)
@@ -886,6 +850,66 @@ def _check(cfg: Config) -> list[str]:
         if cfg.rollouts_per_update % world:
             errors.append(f"trainer.rollouts_per_update: {cfg.rollouts_per_update} is not a multiple of the "
                           f"{world} learner ranks (learner.devices); each rank trains on its share")
+    return errors
+
+
+def _check_transport(cfg: Config) -> list[str]:
+    """How weights and rollouts travel: rings, staleness knobs, CURVE, Ray's resources."""
+    t, a, le = cfg.trainer, cfg.actors, cfg.learner
+    errors: list[str] = []
+    ring_weights = le.weights_transport in ("shm", "cuda_ipc")
+    if ring_weights and a.weights_delay_s > 0:
+        errors.append(f"actors.weights_delay_s: a delay cannot be combined with learner.weights_transport "
+                      f"\"{le.weights_transport}\" (the ring would be rewritten before a delayed version is loaded)")
+    if le.weights_transport == "cuda_ipc":
+        not_cuda = [f"{key} {dev!r}" for key, dev in ([("learner.device", le.device), ("trainer.eval_device", t.eval_device)]
+                                                    + [(f"actors.devices[{i}]", d) for i, d in enumerate(a.devices)])
+                    if not str(dev).startswith("cuda")]
+        if not_cuda:
+            errors.append(f"learner.weights_transport \"cuda_ipc\": the learner, the evaluator and every actor must be "
+                          f"on CUDA (a CPU process would open a CUDA context only to copy the weights out), but "
+                          f"{', '.join(not_cuda)}; use \"shm\"")
+    if a.weights_lag_versions:
+        if t.buffer_type == "standard":
+            errors.append(f"actors.weights_lag_versions: {a.weights_lag_versions} needs trainer.buffer_type \"async\" "
+                          f"(standard mode trains each version on its own data only)")
+        if a.weights_delay_s > 0:
+            errors.append("actors.weights_lag_versions / actors.weights_delay_s: choose one staleness knob")
+        if ring_weights:
+            errors.append(f"actors.weights_lag_versions: cannot be combined with learner.weights_transport "
+                          f"\"{le.weights_transport}\" (the ring keeps only learner.shm_slots versions)")
+    if a.rollout_transport == "ring":
+        # the ring lives in this host's memory: refuse it wherever an actor could be on another host
+        why = [w for w, bad in (
+            (f"learner.host is {le.host!r} (actors may connect from other hosts; use 127.0.0.1)",
+             le.host not in ("127.0.0.1", "localhost", "::1")),
+            (f"learner.advertise_host is {le.advertise_host!r} (actors on other hosts)",
+             le.advertise_host not in ("", "127.0.0.1", "localhost", "::1")),
+            ("CURVE is on (learner.curve_secret_key / actors.curve_secret_key: actors on other hosts)",
+             bool(le.curve_secret_key or a.curve_secret_key)),
+            (f"learner.devices has {len(le.devices)} ranks (one ring owner only)", len(le.devices) > 1)) if bad]
+        if why:
+            errors.append("actors.rollout_transport: \"ring\" needs every actor on the learner's host and one "
+                          "learner rank, but " + "; and ".join(why) + "; use \"zmq\"")
+    errors += _check_ray_resources(cfg.launch.ray, len(le.devices) or 1)
+    if bool(le.curve_secret_key) != bool(le.curve_authorized_keys):
+        errors.append("learner.curve_secret_key / learner.curve_authorized_keys: set both (CURVE on) or neither")
+    if bool(a.curve_secret_key) != bool(a.curve_server_key):
+        errors.append("actors.curve_secret_key / actors.curve_server_key: set both (CURVE on) or neither")
+    if le.curve_secret_key and not a.curve_secret_key:
+        errors.append("actors.curve_secret_key: the learner requires CURVE (learner.curve_secret_key is set), "
+                      "so actors need keys too")
+    if a.weights_at == "step" and t.buffer_type == "async" and a.sync_every > 1:
+        errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
+                      f"{a.sync_every} asks to hold weights for several rollouts: choose one")
+    return errors
+
+
+def _check_learner_threads(cfg: Config) -> list[str]:
+    """learner.critic_thread, torch_threads and compile together."""
+    le, alg, p = cfg.learner, cfg.algorithm.cfg, cfg.policy
+    errors: list[str] = []
+    world = len(le.devices)
     if le.critic_thread is True:
         why = ("algorithm.name is \"grpo\" (no critic)" if isinstance(alg, GRPOConfig)
                else f"policy.name is {p.name!r}, not \"actor_critic\"" if p.name != "actor_critic"
@@ -900,23 +924,16 @@ def _check(cfg: Config) -> list[str]:
     if le.compile in ("compile", "graph") and le.critic_thread is True:
         errors.append(f"learner.compile {le.compile!r} and learner.critic_thread true: the critic thread is "
                       f"the eager loop's (compile \"off\"); choose one")
-    if a.weights_at == "step" and t.buffer_type == "vla" and a.sync_every > 1:
-        errors.append(f"actors.weights_at: \"step\" takes every new version at once, and actors.sync_every "
-                      f"{a.sync_every} asks to hold weights for several rollouts: choose one")
-    band = (getattr(alg, "dynamic_sampling_min_accuracy", 0.0), getattr(alg, "dynamic_sampling_max_accuracy", 1.0))
-    if band != (0.0, 1.0):
-        if not getattr(alg, "dynamic_sampling", False):
-            errors.append(f"algorithm.cfg.dynamic_sampling_min_accuracy / _max_accuracy {band}: a band for dynamic "
-                          f"sampling, which is off (algorithm.cfg.dynamic_sampling: false)")
-        if band[0] >= band[1]:
-            errors.append(f"algorithm.cfg.dynamic_sampling_min_accuracy {band[0]} must be below "
-                          f"dynamic_sampling_max_accuracy {band[1]}: no group could be kept")
-    if getattr(alg, "dynamic_sampling", False) and t.buffer_type != "vla":
-        errors.append("algorithm.cfg.dynamic_sampling needs trainer.buffer_type \"vla\": it takes more rollouts "
-                      "than rollouts_per_update when groups are dropped, and standard mode has no more of a "
-                      "version than that")
+    return errors
+
+
+def _check_server(cfg: Config) -> list[str]:
+    """actors.inference "server" and its knobs."""
+    t, a, alg = cfg.trainer, cfg.actors, cfg.algorithm.cfg
+    errors: list[str] = []
+    grpo = isinstance(alg, GRPOConfig)
     if a.inference == "server":
-        if t.buffer_type == "vla" and a.weights_at == "rollout":
+        if t.buffer_type == "async" and a.weights_at == "rollout":
             errors.append("actors.weights_at \"rollout\" and actors.inference \"server\": the server holds one copy "
                           "for all its actors and takes each new version between batches, so a rollout may be "
                           "acted by several versions (each step records its own); use \"auto\" or \"step\"")
@@ -955,20 +972,35 @@ def _check(cfg: Config) -> list[str]:
     elif a.server_splits > 1:
         errors.append(f"actors.server_splits {a.server_splits} needs actors.inference \"server\" (a local copy "
                       f"answers at once: there is no round trip to hide)")
+    return errors
+
+
+def _check_trainer(cfg: Config) -> list[str]:
+    """The buffer against the actors, and the trainer's switches."""
+    t, a = cfg.trainer, cfg.actors
+    errors: list[str] = []
     bad_ids = [i for i in a.slow_actor_ids if i >= a.num_actors]  # negative ids are out of Range
     if bad_ids:
         errors.append(f"actors.slow_actor_ids: ids {bad_ids} are not in 0..{a.num_actors - 1}")
-    samples = cfg.rollouts_per_update * a.num_envs * t.buffer_size
-    if alg.batch_size > samples:
-        errors.append(f"algorithm.cfg.batch_size: {alg.batch_size} is larger than one update's data "
-                      f"(rollouts_per_update x actors.num_envs x trainer.buffer_size = {samples})")
     if t.buffer_type == "standard" and cfg.rollouts_per_update > a.num_actors:
         errors.append(f"trainer.rollouts_per_update: {t.rollouts_per_update} is more than actors.num_actors "
                       f"({a.num_actors}); in standard mode each actor sends one rollout per version, so the "
                       f"learner would wait forever")
-    if t.buffer_type == "vla" and t.buffer_capacity < cfg.rollouts_per_update:
+    if t.buffer_type == "async" and t.buffer_capacity < cfg.rollouts_per_update:
         errors.append(f"trainer.buffer_capacity: {t.buffer_capacity} cannot hold one update's "
                       f"{cfg.rollouts_per_update} rollouts (trainer.rollouts_per_update, default num_actors)")
+    if t.use_wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            errors.append("trainer.use_wandb: true needs the wandb package (pip install wandb)")
+    return errors
+
+
+def _check_policy(cfg: Config) -> list[str]:
+    """policy against the algorithm."""
+    p = cfg.policy
+    errors: list[str] = []
     if cfg.algorithm.name == "ppo" and (p.name == "actor_only" or (p.name == "actor_critic" and p.critic is None)):
         errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block, or a "
                       f"\"vla\" model with a value head (got name {p.name!r}"
@@ -978,11 +1010,6 @@ def _check(cfg: Config) -> list[str]:
                       "(package.module.Class)")
     if p.name != "vla" and p.vla_config is not None:
         errors.append(f"policy.vla_config: only used with policy.name \"vla\" (got {p.name!r})")
-    if t.use_wandb:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            errors.append("trainer.use_wandb: true needs the wandb package (pip install wandb)")
     return errors
 
 
@@ -1038,6 +1065,12 @@ def config_from_dict(raw: dict, source: str = "<dict>", overrides: list[str] = (
         _apply_override(raw, o)
     errors: list[str] = []
     cfg = _build(Config, raw, "", errors)
+    if isinstance(cfg.trainer, TrainerConfig) and cfg.trainer.buffer_type == "vla":
+        cfg.trainer.buffer_type = "async"   # the older spelling: one name from here on
+    if (isinstance(cfg.algorithm.cfg, PPOConfig) and cfg.algorithm.cfg.correction is None
+            and isinstance(cfg.trainer, TrainerConfig)):
+        from learner.corrections import recommended   # imported here: it imports this module
+        cfg.algorithm.cfg.correction = recommended(cfg.trainer.buffer_type)
     if all(isinstance(e, _OutOfRange) for e in errors):  # every value has its type: the cross-field rules apply
         errors += _check(cfg)
     if errors:

@@ -81,7 +81,7 @@ def test_shipped_config_loads(path):
 def test_design_example_loads():
     cfg = config_from_dict(DESIGN_EXAMPLE, source="design.json")
     assert cfg.trainer.exp_name == "cartpole_ppo"
-    assert cfg.trainer.buffer_type == "vla"
+    assert cfg.trainer.buffer_type == "async"    # the design card's "vla", the older spelling, read as async
     assert cfg.actors.devices == ["cpu"]
     assert cfg.policy.critic.network_cfg.hidden_sizes == [64, 64]
     assert cfg.algorithm.cfg.learning_rate == pytest.approx(3e-4)
@@ -89,13 +89,15 @@ def test_design_example_loads():
 
 
 def test_empty_dict_gives_all_defaults():
-    assert config_from_dict({}) == Config()
+    expected = Config()
+    expected.algorithm.cfg.correction = "trust"    # null, resolved at load: the one recommended for async mode
+    assert config_from_dict({}) == expected
 
 
 def test_missing_blocks_and_keys_get_defaults():
     cfg = config_from_dict({"trainer": {"seed": 7}, "algorithm": {"cfg": {"gamma": 0.9}}})
     assert cfg.trainer == TrainerConfig(seed=7)
-    assert cfg.algorithm == AlgorithmConfig(cfg=PPOConfig(gamma=0.9))
+    assert cfg.algorithm == AlgorithmConfig(cfg=PPOConfig(gamma=0.9, correction="trust"))
     assert cfg.actors == ActorsConfig()
     assert cfg.learner == LearnerConfig()
     assert cfg.env == EnvConfig()
@@ -250,7 +252,7 @@ def test_single_problem_is_singular(tmp_path):
                   "algorithm": {"cfg": {"batch_size": 33}}},
                  r"algorithm\.cfg\.batch_size: 33 is larger .* = 32\)", id="batch_size_rollouts_per_update"),
     pytest.param({"trainer": {"buffer_type": "fifo"}},
-                 r"trainer\.buffer_type: expected one of 'standard' \| 'vla', got 'fifo'", id="buffer_type"),
+                 r"trainer\.buffer_type: expected one of 'standard' \| 'async' \| 'vla', got 'fifo'", id="buffer_type"),
     pytest.param({"actors": {"devices": ["gpu"]}}, r"actors\.devices\[0\]: unknown device 'gpu'", id="device_gpu"),
     pytest.param({"learner": {"devices": ["cpu", "cpu", "cpu"]}}, r"actors\.num_actors: 2 is not a multiple of the 3 "
                  r"learner ranks", id="ranks_actors"),
@@ -262,7 +264,7 @@ def test_single_problem_is_singular(tmp_path):
     pytest.param({"learner": {"weights_transport": "shm"}, "actors": {"weights_delay_s": 1.0}},
                  r"actors\.weights_delay_s: a delay cannot be combined", id="shm_delay"),
     pytest.param({"trainer": {"buffer_type": "standard"}, "actors": {"weights_lag_versions": 2}},
-                 r"actors\.weights_lag_versions: 2 needs trainer\.buffer_type \"vla\"", id="lag_versions_standard"),
+                 r"actors\.weights_lag_versions: 2 needs trainer\.buffer_type \"async\"", id="lag_versions_standard"),
     pytest.param({"trainer": {"buffer_type": "vla"}, "actors": {"weights_lag_versions": 2, "weights_delay_s": 0.5}},
                  r"actors\.weights_lag_versions / actors\.weights_delay_s: choose one", id="lag_versions_delay"),
     pytest.param({"trainer": {"buffer_type": "vla"}, "actors": {"weights_lag_versions": 2},
@@ -399,3 +401,29 @@ def test_top_level_must_be_an_object(tmp_path, raw):
 def test_config_from_dict_rejects_non_json_values(value):
     with pytest.raises(ConfigError, match=r"mine: "):
         config_from_dict({"trainer": {"seed": value}}, source="mine")
+
+
+def test_the_asynchronous_mode_is_async_and_its_older_spelling_vla_is_still_accepted(tmp_path):
+    assert config_from_dict({}).trainer.buffer_type == "async"
+    for spelling in ("async", "vla"):
+        cfg = config_from_dict({"trainer": {"buffer_type": spelling}})
+        assert cfg.trainer.buffer_type == "async"
+        save_config(cfg, tmp_path / "c.json")                 # a run's config.json says async
+        assert json.loads((tmp_path / "c.json").read_text())["trainer"]["buffer_type"] == "async"
+    assert config_from_dict({"trainer": {"buffer_type": "standard"}}).trainer.buffer_type == "standard"
+
+
+def test_the_default_correction_is_the_recommended_one_for_the_mode():
+    """trust in async mode (docs/corrections.md recommends it), none in standard mode (on-policy
+    data needs none); a correction set in the config is kept in either mode."""
+    assert config_from_dict({}).algorithm.cfg.correction == "trust"
+    assert config_from_dict({"trainer": {"buffer_type": "standard"}}).algorithm.cfg.correction == "none"
+    for mode in ("standard", "async"):
+        cfg = config_from_dict({"trainer": {"buffer_type": mode}, "algorithm": {"cfg": {"correction": "is"}}})
+        assert cfg.algorithm.cfg.correction == "is"
+
+
+def test_an_unknown_correction_is_refused_naming_the_registered_ones():
+    with pytest.raises(ConfigError, match=r"algorithm\.cfg\.correction: 'vtrace2' is not a correction; "
+                                          r"choose from 'none', 'is', 'vtrace', 'appo', 'ewma', 'mask', 'trust'"):
+        config_from_dict({"algorithm": {"cfg": {"correction": "vtrace2"}}}, source="x.json")
