@@ -20,8 +20,8 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 
 from actors.emulated_device import device_for
-from actors.inference import (InferenceRefused, InferenceStopped, InferenceUnavailable, RemotePolicy, endpoint_path,
-                              server_of)
+from actors.inference_topology import endpoint_path, server_of
+from actors.remote_policy import InferenceRefused, InferenceStopped, InferenceUnavailable, RemotePolicy
 from actors.rollout import Collector, EnvParts, sends_bootstrap_obs
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire

@@ -112,7 +112,7 @@ class Collector:
         # Rollouts are assembled where the policy runs (a GPU simulator's tensors never leave the
         # device mid-rollout) and copied once per rollout into pinned host memory for sending.
         self.device = next(policy.parameters()).device
-        # An inference server's replies say which version acted at each step (actors/inference.py).
+        # An inference server's replies say which version acted at each step (actors/inference_server.py).
         self.stamps_versions = getattr(policy, "stamps_versions", False)
         # env parts and a policy that takes requests without waiting for them: overlap the two
         self.pipelined = isinstance(env, EnvParts) and len(env.parts) > 1 and hasattr(policy, "submit")

@@ -363,7 +363,7 @@ class ServerChannels:
 
 class UnixDealer:
     """An actor's side: one connection to its server's Unix socket, read and written as a ZeroMQ
-    DEALER is by :class:`~actors.inference.RemotePolicy` (``send_multipart``, ``poll``,
+    DEALER is by :class:`~actors.remote_policy.RemotePolicy` (``send_multipart``, ``poll``,
     ``recv_multipart``, ``close``). `broken` is set when the server has gone (it is then reconnected)."""
 
     def __init__(self, path: Path, max_bytes: int = 1 << 30):

@@ -2,7 +2,7 @@
 
 Both holders of an acting copy use it: an actor with its own policy (``actors.inference: local``,
 :mod:`actors.actor`) and an inference server that acts for many actors (``server``,
-:mod:`actors.inference`). What arrives on the weights socket is offered to the gate
+:mod:`actors.inference_server`). What arrives on the weights socket is offered to the gate
 (:mod:`actors.weights_gate`); :meth:`WeightsLoader.load_due` loads the message that is due, if it
 is newer than what the copy holds or comes from a restarted learner, and refuses a learner whose
 frozen base model differs from ours.

@@ -237,7 +237,7 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--actors", default="1,2,4,8")
@@ -262,6 +262,44 @@ def main(argv: list[str] | None = None) -> int:
                    "trains (lag_policy drop), so nothing of it runs on the device beside the acting processes")
     p.add_argument("--prebuild", type=Path, metavar="DIR",
                    help="build the config's fresh VLA once, save it here, and have every process load it")
+    return p
+
+
+def _print_row(args, row: dict, mode: str, a: int) -> None:
+    """One run's line: env steps/s, peak memory, return, and the server's batches or the learner's pace."""
+    extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests, "
+             f"{row.get('forward_ms', float('nan')):.1f} ms per batch" if mode == "server" else "")
+    extra += (" | no updates (acting alone)" if args.no_updates else
+              f" | update {row['update_s']:.2f} s (the learner trains at most "
+              f"{row['learner_ceiling_sps'] or float('nan'):.0f} env steps/s), {row['dropped_lag']} rollouts "
+              f"dropped for lag, {row['overwritten']} overwritten")
+    split = (f" (server {row['server_peak_mib']:.0f}, actors {row['actors_peak_mib']:.0f})"
+             if mode == "server" else "")
+    trained = (f" ({row['trained_sps']:.1f} trained)" if row.get("trained_sps") is not None
+               and row["env_steps_trained"] != row["env_steps"] and not args.no_updates else "")
+    print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s{trained}, peak {row['peak_mib']:8.0f} MiB{split}, "
+          f"return {row['return']}{extra}", flush=True)
+
+
+def _print_ratios(rows: list[dict], counts: list[int]) -> dict[int, float | None]:
+    """The server-over-local table, printed; returns the ratio for each number of actors."""
+    by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}
+    print(f"\n{'actors':>6} {'local sps':>10} {'server sps':>10} {'server/local':>12} {'local MiB':>10} "
+          f"{'server MiB':>10} {'batch envs':>10} {'requests':>8}")
+    ratios = {}
+    for a in counts:
+        lo, se = by.get(("local", a)), by.get(("server", a))
+        r = se["sps"] / lo["sps"] if lo and se and lo["sps"] else None
+        ratios[a] = r
+        print(f"{a:>6} {lo['sps'] if lo else float('nan'):>10.1f} {se['sps'] if se else float('nan'):>10.1f} "
+              f"{r if r else float('nan'):>11.2f}x {lo['peak_mib'] if lo else float('nan'):>10.0f} "
+              f"{se['peak_mib'] if se else float('nan'):>10.0f} {se.get('batch_envs', float('nan')) if se else float('nan'):>10.1f} "
+              f"{se.get('batch_requests', float('nan')) if se else float('nan'):>8.1f}")
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_signal)
     import tempfile
@@ -292,30 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[inference] {mode} x{a} failed: {e}", file=sys.stderr)
             rows.append(row)
             if "sps" in row:
-                extra = (f" | batch {row.get('batch_envs', 0):.1f} envs from {row.get('batch_requests', 0):.1f} requests, "
-                         f"{row.get('forward_ms', float('nan')):.1f} ms per batch" if mode == "server" else "")
-                extra += (" | no updates (acting alone)" if args.no_updates else
-                          f" | update {row['update_s']:.2f} s (the learner trains at most "
-                          f"{row['learner_ceiling_sps'] or float('nan'):.0f} env steps/s), {row['dropped_lag']} rollouts "
-                          f"dropped for lag, {row['overwritten']} overwritten")
-                split = (f" (server {row['server_peak_mib']:.0f}, actors {row['actors_peak_mib']:.0f})"
-                         if mode == "server" else "")
-                trained = (f" ({row['trained_sps']:.1f} trained)" if row.get("trained_sps") is not None
-                           and row["env_steps_trained"] != row["env_steps"] and not args.no_updates else "")
-                print(f"[inference] {mode:<6} {a} actors: {row['sps']:8.1f} env steps/s{trained}, peak {row['peak_mib']:8.0f} MiB{split}, "
-                      f"return {row['return']}{extra}", flush=True)
-    by = {(r["mode"], r["actors"]): r for r in rows if "sps" in r}
-    print(f"\n{'actors':>6} {'local sps':>10} {'server sps':>10} {'server/local':>12} {'local MiB':>10} "
-          f"{'server MiB':>10} {'batch envs':>10} {'requests':>8}")
-    ratios = {}
-    for a in counts:
-        lo, se = by.get(("local", a)), by.get(("server", a))
-        r = se["sps"] / lo["sps"] if lo and se and lo["sps"] else None
-        ratios[a] = r
-        print(f"{a:>6} {lo['sps'] if lo else float('nan'):>10.1f} {se['sps'] if se else float('nan'):>10.1f} "
-              f"{r if r else float('nan'):>11.2f}x {lo['peak_mib'] if lo else float('nan'):>10.0f} "
-              f"{se['peak_mib'] if se else float('nan'):>10.0f} {se.get('batch_envs', float('nan')) if se else float('nan'):>10.1f} "
-              f"{se.get('batch_requests', float('nan')) if se else float('nan'):>8.1f}")
+                _print_row(args, row, mode, a)
+    ratios = _print_ratios(rows, counts)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                                          "machine": info, "rows": rows,

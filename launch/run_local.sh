@@ -86,7 +86,7 @@ try:
     cfg = load_config(sys.argv[1], sys.argv[2:])
 except ConfigError as e:
     print(e, file=sys.stderr); print("0 0 0 -"); sys.exit(0)
-# as actors.inference.server_devices counts them (importing it here would load torch)
+# as actors.inference_topology.server_devices counts them (importing it here would load torch)
 servers = len(dict.fromkeys(cfg.actors.devices)) * cfg.actors.servers_per_device if cfg.actors.inference == "server" else 0
 print(cfg.actors.num_actors, max(1, len(cfg.learner.devices)), servers, Path(cfg.trainer.output_dir) / cfg.trainer.exp_name)
 PYEOF

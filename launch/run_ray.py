@@ -116,7 +116,7 @@ def check_placement(cfg: Config, rank_nodes: list[str], actor_nodes: list[str],
     remote = [i for i, n in enumerate(actor_nodes) if n != rank_nodes[0]]
     errors = []
     if server_nodes:
-        from actors.inference import server_of
+        from actors.inference_topology import server_of
         apart = [(i, server_of(cfg, i)) for i, n in enumerate(actor_nodes) if n != server_nodes[server_of(cfg, i)]]
         if apart:
             errors.append(f"actors.inference \"server\": actors {[i for i, _ in apart]} were placed on other nodes "
@@ -152,7 +152,7 @@ class RayRun:
         self.servers: list = []
         self.n_servers = 0
         if cfg.actors.inference == "server":
-            from actors.inference import server_devices
+            from actors.inference_topology import server_devices
             self.n_servers = len(server_devices(cfg))
         self.pg = None
         self.registry = RunRegistry.options(name=self.registry_name, namespace=NAMESPACE).remote()
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                    for i in range(max(1, len(cfg.learner.devices))))
         cpus += sum(r.actor_resources[i % len(r.actor_resources)].get("CPU", 0) for i in range(cfg.actors.num_actors))
         if cfg.actors.inference == "server":
-            from actors.inference import server_devices
+            from actors.inference_topology import server_devices
             cpus += sum(r.server_resources[s % len(r.server_resources)].get("CPU", 0)
                         for s in range(len(server_devices(cfg))))
         ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",

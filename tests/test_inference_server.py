@@ -16,8 +16,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tensordict import TensorDict
 
-from actors.inference import (InferenceRefused, InferenceServer, InferenceStopped, RemotePolicy, RequestChecker,
-                              bind_router, endpoint_path, server_devices, server_of, served_actors, write_endpoint)
+from actors.inference import bind_router
+from actors.inference_requests import RequestChecker
+from actors.inference_server import InferenceServer
+from actors.inference_topology import endpoint_path, server_devices, server_of, served_actors, write_endpoint
+from actors.remote_policy import InferenceRefused, InferenceStopped, RemotePolicy
 from actors.rollout import Collector, EnvParts
 from actors.weights_loader import WeightsLoader
 from shared import keys, wire
@@ -587,25 +590,25 @@ def test_a_restarted_servers_tensorboard_steps_go_on_from_the_last_incarnations(
     """The server's TensorBoard step is the batches served in the run: a restarted server reads what
     the last incarnation logged and goes on from there, so its curves do not start again at 0 over
     the old ones. A progress file that is not ours counts as none."""
-    from actors.inference import progress_path, read_progress
+    from actors.inference_server import progress_path, read_progress
     path = progress_path(tmp_path, 0)
     steps = []
     for life in range(2):
         s = Served(tmp_path / f"life{life}", progress=path)
-        s.server.writer = _Scalars()
+        s.server.stats.writer = _Scalars()
         s.weights.publish(s.learner, 0)
         s.start()
         try:
             actor = s.remote(0)
             for i in range(3):
                 actor(_obs(4, i))
-            s.server._last_log = -1e9          # log now (the thread logs on its own clock otherwise)
+            s.server.stats._last_log = -1e9          # log now (the thread logs on its own clock otherwise)
             deadline = time.monotonic() + 10
-            while not s.server.writer.steps and time.monotonic() < deadline:
+            while not s.server.stats.writer.steps and time.monotonic() < deadline:
                 time.sleep(0.01)
         finally:
             s.close()
-        steps += s.server.writer.steps["inference0/batches"]
+        steps += s.server.stats.writer.steps["inference0/batches"]
     assert len(steps) >= 2 and steps[0] >= 3 and all(b > a for a, b in zip(steps, steps[1:])), steps
     assert read_progress(path) == steps[-1]
     for junk in ("", "[]", '{"batches": -1}', '{"batches": true}', '{"batches": 1.5}', "{"):
@@ -875,7 +878,7 @@ def test_the_config_refuses_what_a_server_cannot_do():
 
 
 def test_with_curve_only_admitted_keys_are_served(tmp_path):
-    from actors.inference import InferenceUnavailable
+    from actors.remote_policy import InferenceUnavailable
     from shared.security import CurveClient, CurveServer
     server_pub, server_secret = zmq.curve_keypair()
     actor_pub, actor_secret = zmq.curve_keypair()
@@ -1059,8 +1062,8 @@ def test_a_paced_request_naming_a_new_learner_life_waits_for_that_lifes_weights(
     old life's weights used to serve it at once ('another life' meets any version), and the learner
     dropped the rollout it made as acted by the old life. It is now held for the new life's weights,
     and for at most SAME_LIFE_WAIT_S when they never come."""
-    import actors.inference as inference
-    monkeypatch.setattr(inference, "SAME_LIFE_WAIT_S", 1.0)
+    import actors.inference_server as inference_server
+    monkeypatch.setattr(inference_server, "SAME_LIFE_WAIT_S", 1.0)
     served = Served(tmp_path)
     try:
         served.weights.publish(served.learner, 7, incarnation="OLD")

@@ -297,9 +297,9 @@ def test_an_inference_server_that_lost_the_version_a_request_waits_for_asks_agai
     """A paced actor asks its server for the version the learner announced; the server lost that
     weights message. It asks the learner again once a request has waited RESEND_AFTER_S, and serves it
     with the version asked for, instead of letting it expire at the actor's timeout."""
-    import actors.inference as inference
+    import actors.inference_server as inference_server
     from tests.test_inference_server import Served, _obs
-    monkeypatch.setattr(inference, "RESEND_AFTER_S", 0.3)
+    monkeypatch.setattr(inference_server, "RESEND_AFTER_S", 0.3)
     served = Served(tmp_path)
     try:
         served.weights.publish(served.learner, 0)
