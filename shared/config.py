@@ -73,15 +73,10 @@ class VideoConfig:
     frame_every: Annotated[int, Range(ge=1)] = 1
     """Render every this many env steps."""
     when: Literal["auto", "live", "end"] = "auto"
-    """When a chosen evaluation is rendered. ``live``: during the evaluation, so its video appears
-    mid-run (rendering then competes with training for CPU). ``end``: the evaluation keeps only its
-    actions, and the evaluator replays them from the same seed with rendering after the final
-    evaluation (videos of a run stopped by a signal are lost; the final evaluation renders at once).
-    At most 8 evaluations wait: beyond that every other older one is let go, so a long run's videos
-    stay spread over it and its end is not held up for long.
-    ``auto``: ``live`` where the host has a CPU for every process of the run (learner ranks +
-    actors + evaluator), else ``end``: live rendering takes CPU from training where cores are short
-    (measured: docs/guides/videos_and_env_metrics.md)."""
+    """When a chosen evaluation is rendered. live: during the evaluation, so its video appears mid-run.
+    end: the evaluation keeps its actions, and the evaluator replays them with rendering after the final
+    evaluation. auto: live where the host has a CPU for every process of the run (learner ranks + actors
+    + evaluator), else end (docs/guides/videos_and_env_metrics.md)."""
 
 
 @dataclass
@@ -103,14 +98,10 @@ class TrainerConfig:
     max_policy_lag: Annotated[int, Range(ge=0)] = 4
     """async mode: rollouts older than this many versions are dropped (counted)."""
     lag_policy: Literal["drop", "pace"] = "pace"
-    """async mode. pace (default): an actor keeps at most
-    min(ceil(max_policy_lag x rollouts_per_update / num_actors), buffer_capacity // num_actors) of
-    its rollouts unconsumed at the learner (never fewer than one update needs) and waits for the
-    learner before collecting more: staleness is bounded by admission, so data arrives young
-    instead of being thrown away or overwritten, and every actor's share of the trained data is
-    its share of the collected data (anything older than max_policy_lag is still dropped, and
-    counted). drop: actors run free and data older than max_policy_lag is dropped; biased, since
-    it favours short episodes and fast actors (a slow actor's rollouts arrive old)."""
+    """async mode. pace (default): an actor with enough of its rollouts still unconsumed at the learner
+    waits for it before collecting more, so staleness is bounded by admission and no finished rollout is
+    thrown away. drop: actors run free and data older than max_policy_lag is dropped, which favours short
+    episodes and fast actors (docs/architecture.md)."""
     record: bool = False
     """Store every batch the learner trains on (tensordict memmap under RUN_DIR/record, with its
     order and versions) so that ``launch/replay.py`` can retrain on exactly the same data."""
@@ -132,13 +123,11 @@ class TrainerConfig:
     evaluation plays the episodes of k = 0 (common random numbers), so two points of the curve differ
     only by the policy, not by the episodes drawn: what you want when comparing checkpoints."""
     keep_best: bool = False
-    """The evaluator writes ``RUN_DIR/checkpoints/best.pt`` each time an evaluation beats every
-    earlier one of the run (success rate where the env reports success, else mean return): the
-    trained tensors of the version it evaluated, with that version, its env steps and the score.
-    ``launch/evaluate.py RUN_DIR --checkpoint best`` then measures it on held-out episodes. Pair it
-    with ``eval_seeds: "same"``, so that scores differ by the policy and not by the episodes drawn,
-    and report the held-out figure, not the score it was chosen on (that one is biased upwards).
-    After ``--resume`` the kept best stays the bar to beat."""
+    """Write ``RUN_DIR/checkpoints/best.pt`` (the evaluated version's trained tensors and its score) each
+    time an evaluation beats every earlier one of the run: success rate where the env reports success,
+    else mean return; after ``--resume`` the kept best stays the bar. Pair it with ``eval_seeds: "same"``
+    and evaluate it on held-out episodes with ``launch/evaluate.py RUN_DIR --checkpoint best``
+    (docs/getting_started.md)."""
     output_dir: str = "outputs"
     """The folder that holds run directories (relative to the working directory)."""
     use_wandb: bool = False
@@ -173,32 +162,24 @@ class ActorsConfig:
     sync_every: Annotated[int, Range(ge=1)] = 1
     """Take new weights at most every this many rollouts (newest version only)."""
     weights_at: Literal["auto", "rollout", "step"] = "auto"
-    """When an actor takes new weights (async mode). auto (the default): step when
-    ``actors.sync_every`` is 1, rollout when it asks to hold weights for several rollouts (what step
-    gains: docs/results/inflight_latency.md). rollout: only between rollouts, so a whole
-    rollout is acted by one version. step: between env steps too, as soon as a newer version
-    arrives (a non-blocking poll per step), so a long rollout of a slow policy is not acted by
-    weights several versions old. Each step records the version that acted either way; a model
-    is never used half-loaded (a torn shared-memory read waits for the next version). Standard
-    mode is always on-policy and ignores it. GRPO: a group's members are envs of one actor, so at
-    every step they all act with the same version; with step, that version may change mid-episode,
-    for the whole group at once, and the group's advantage then compares returns earned under the
-    same sequence of versions."""
+    """When an actor takes new weights (async mode). rollout: only between rollouts, so one version acts
+    a whole rollout. step: between env steps too, as soon as a newer version arrives. auto (default): step
+    when ``actors.sync_every`` is 1, else rollout. Every step records the version that acted; standard
+    mode ignores it (docs/architecture.md)."""
     weights_delay_s: Annotated[float, Range(ge=0)] = 0.0
     """Injected delay on weight delivery: an actor may only load a weights message that arrived at
     least this many seconds ago (a controlled-staleness knob for studies)."""
     weights_lag_versions: Annotated[int, Range(ge=0, le=1000)] = 0
-    """Injected staleness counted in versions (vla mode, a knob for studies): an actor acts with the
+    """Injected staleness counted in versions (async mode, a knob for studies): an actor acts with the
     newest weights it holds that are at least this many versions behind the newest it has received
-    (until the learner has published that many, with the first it received). With sync_every 1 a new
-    version acts at every rollout, so the lag is constant, about this + 1 (the pipeline of many slow
-    actors); sync_every K gives a sawtooth instead (one version held for K rollouts). Every version
-    in between is kept in the actor's memory: fine for an MLP, not for a large model."""
+    (until the learner has published that many, with the first it received). With sync_every 1 the lag
+    is constant, about this + 1; sync_every K gives a sawtooth. Every version in between is kept in the
+    actor's memory: fine for an MLP, not for a large model (docs/staleness.md)."""
     torch_threads: Annotated[int, Range(ge=1)] = 1
     """Intra-op threads of each actor process (``torch.set_num_threads``)."""
     nice: Annotated[int, Range(ge=0, le=19)] = 0
     """Scheduling niceness of the actor processes and the inference servers (os.nice). Where they
-    and the learner share too few cores and the learner is the bottleneck (vla mode, a learner on
+    and the learner share too few cores and the learner is the bottleneck (async mode, a learner on
     the CPU), a few points let the learner's update run first and the actors take what it leaves."""
     slowdown_s: Annotated[float, Range(ge=0)] = 0.0
     """Extra sleep per env step, to simulate a slow actor (testing and studies)."""
@@ -216,13 +197,10 @@ class ActorsConfig:
     slow_actor_ids: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)
     """Actors that get `slowdown_s`; empty means all actors."""
     inference: Literal["local", "server"] = "local"
-    """Where the acting policy runs. local: every actor holds its own copy (cheap policies). server:
-    one inference server process per device of actors.devices (servers_per_device of them) holds the
-    only copy and acts for every actor on that device, batching their requests into one forward pass;
-    actors then only step their envs (actors/inference.py). For large models: one copy per device
-    instead of one per actor, and one call a round instead of one per actor. Every step records the
-    version that acted (the server takes new weights between batches, so in async mode that is
-    weights_at "step")."""
+    """Where the acting policy runs. local: every actor holds its own copy (cheap policies). server: one
+    inference server per device of actors.devices (servers_per_device of them) holds the only copy and
+    acts for all that device's actors in batched forward passes, taking new weights between batches
+    (large models; actors/inference.py, docs/guides/inference_server.md)."""
     server_max_batch: Annotated[int, Range(ge=0)] = 0
     """server: the most envs in one forward pass (0: every served actor's envs, num_envs each); at
     least one request's envs (num_envs / server_splits), since a request is never split."""
@@ -239,9 +217,9 @@ class ActorsConfig:
     the round trip to the server is hidden behind env steps. 1: one request for all envs, then wait.
     actors.num_envs must split evenly, and for GRPO into whole groups."""
     server_transport: Literal["unix", "zmq"] = "unix"
-    """server: how actors on the server's host reach it. unix: a Unix stream socket (a round trip
-    wakes two threads instead of ZeroMQ's six: actors/unix_channel.py); actors on other hosts, or
-    that cannot open it, use the server's ZeroMQ socket (CURVE applies there). zmq: ZeroMQ for all."""
+    """server: how actors on the server's host reach it. unix: a Unix stream socket (actors/unix_channel.py;
+    fewer thread wake-ups per round trip than ZeroMQ); actors on other hosts, or that cannot open it, use
+    the server's ZeroMQ socket, where CURVE applies. zmq: ZeroMQ for all (docs/guides/inference_server.md)."""
     servers_per_device: Annotated[int, Range(ge=1, le=64)] = 1
     """server: inference servers for each distinct entry of actors.devices; an entry's actors are
     dealt out to its servers in turn (its 1st, (k+1)th, ... actor to the first). On Ray, one per node
@@ -278,43 +256,22 @@ class LearnerConfig:
     weights_port: Annotated[int, Range(ge=0, le=65535)] = 0
     """TCP port for published weights (0: pick a free one; endpoints.json tells actors)."""
     torch_threads: Union[Annotated[int, Range(ge=1)], Literal["auto", "idle"]] = 1
-    """Intra-op threads for the update. auto: the cores this process may use, less those busy
-    collecting while it trains: all of them in standard mode (the actors wait for every update),
-    and one per actor fewer in async mode (the actors collect meanwhile; at least one), shared among
-    the learner ranks on this host. That counts the actors as local (launch/run_local.sh); with
-    actors on other hosts, give the number. idle: one thread, raised to every core this process may
-    use (shared among the local learner ranks) for the minibatches taken while the actors have
-    nothing to collect, i.e. while the next batch already waits in the buffer (always in standard
-    mode), so the update takes the other cores only when collection leaves them idle; it excludes
-    critic_thread. More threads may sum in another order, so the update is not the same to the bit.
-    The default is 1: for MLPs of a few hundred units more threads pay on some CPUs and not on
-    others (docs/results/vs_sb3_halfcheetah.md). Larger models on many cores want auto or a number."""
+    """Intra-op threads for the update (``torch.set_num_threads``): a number, or auto: the cores this
+    process may use less those local actors collect on while it trains (all of them in standard mode),
+    or idle: one thread, raised to every usable core for the minibatches taken while the actors have
+    nothing to collect. More threads may round the update differently (docs/configuration.md)."""
     critic_thread: Union[bool, Literal["auto", "idle"]] = False
-    """PPO with policy.name "actor_critic" on one learner rank: each minibatch's value loss and its
-    backward run on a second thread while the first does the policy loss. The actor and the critic
-    share no parameter, so the gradients and the update are the same as without it; what changes is
-    that the update keeps two cores busy (half its work each for equal-sized networks). auto: on
-    where the learner is on CPU and has a core to spare for it: in standard mode (the actors wait
-    for every update) always when the host has two cores or more; in async mode when it has more cores
-    than actors plus one. true: on wherever it applies (an error names why where it cannot).
-    Worth it where cores are idle during the update, not where actors need them (in async mode the
-    thread takes the core the actors collect on): hence off by default. idle: the thread, used for a
-    minibatch only while the actors have nothing to collect, i.e. while the next batch already waits
-    in the buffer (under lag_policy "pace" they then wait for the learner; in standard mode they
-    always do); otherwise that minibatch's value loss runs on the learner's own thread. The second
-    core is then taken only when collection leaves it idle. Quietly off where it cannot apply, like
-    auto. The update is the same, bit for bit, whichever thread each value loss ran on
-    (train/critic_thread_share: the share that ran on the thread). Measurements: the results notebook
-    (docs/results/notebook.md)."""
+    """PPO with policy.name "actor_critic" on one learner rank: run each minibatch's value loss and its
+    backward on a second thread beside the policy loss (the same update, bit for bit, on two cores).
+    false (default): off. true: on (an error names why where it cannot apply). auto: on where a CPU
+    learner has a core to spare. idle: the thread only for the minibatches taken while the actors have
+    nothing to collect (docs/configuration.md)."""
     compile: Literal["auto", "off", "compile", "graph"] = "auto"
-    """How the update runs its minibatches (learner/fast_epochs.py). off: the eager loop, one host
-    sync per minibatch (the finiteness check). compile: no host sync inside an epoch (the check stays,
-    on the device, and a non-finite minibatch still takes no step), the loss through torch.compile.
-    graph: no host sync, and the whole minibatch step (gather, forward, loss, backward, clip, fused
-    Adam) captured once per minibatch size in a CUDA graph and replayed; on the CPU the same step runs
-    uncaptured. auto: graph on CUDA for an actor_critic policy, else off. A policy that cannot be
-    captured (a Hugging Face VLA) and several learner ranks run off, said once in the log. off and
-    graph train the same weights; compile may round differently (fused kernels)."""
+    """How the update runs its minibatches (learner/fast_epochs.py). off: the eager loop, one host sync
+    per minibatch. compile: no host sync inside an epoch, the loss through torch.compile (may round
+    differently). graph: the whole minibatch step captured in a CUDA graph and replayed (uncaptured on
+    the CPU; the same weights as off). auto: graph on CUDA for an actor_critic policy, else off; a policy
+    that cannot be captured and several learner ranks run off (docs/guides/gpu_and_ddp.md)."""
     recv_hwm: Annotated[int, Range(ge=1)] = 16
     """ZeroMQ receive high-water mark, in messages: bounds memory when actors outrun the learner."""
     devices: list[str] = field(default_factory=list)
@@ -347,9 +304,8 @@ class EnvConfig:
     device: str = ""
     """Where the actors' envs step ("cpu", "cuda:N"). Empty: on the actor's device (actors.devices);
     gymnasium envs always step on the CPU. "cpu" keeps a torch-native simulator (tandem/...) or
-    ManiSkill off the GPU while the policy runs there or on an inference server: with a few envs per
-    actor a GPU adds nothing but a CUDA context per actor process (about 640 MiB on an H200), whose
-    kernels time-slice the GPU with the server's and the learner's."""
+    ManiSkill with a few envs per actor off the GPU while the policy runs there or on an inference
+    server, sparing each actor process a CUDA context (docs/guides/inference_server.md)."""
 
 
 @dataclass
@@ -477,28 +433,21 @@ class PPOConfig(ClippedPGConfig):
     registered in ``learner/corrections.py``. null: the one recommended for the mode (trust in async
     mode, none in standard mode). What each does and when to use which: docs/corrections.md."""
     rho_bar: Optional[Annotated[float, Range(gt=0)]] = None
-    """Truncation of the importance weights. None: 100 for is, ewma and mask (Hilton et al.'s
-    reference code clips there; a weight of 1 would pull every update back towards mu), 1 for vtrace
-    and appo (IMPALA and Sample Factory, whose value targets are defined with rho_bar = 1)."""
+    """Truncation of the importance weights. null: the correction's default, 100 for is, ewma and mask,
+    1 for vtrace, appo and trust (docs/corrections.md)."""
     c_bar: Annotated[float, Range(gt=0)] = 1.0
     """Truncation of the trace-cutting coefficients c (vtrace, appo)."""
     vtrace_lambda: Optional[Annotated[float, Range(ge=0, le=1)]] = None
     """IMPALA's lambda: c = lambda x min(c_bar, pi/mu); with on-policy data V-trace is then GAE(lambda)
     on the current critic. None: gae_lambda (so that vtrace and none differ only in the correction)."""
     vtrace_advantage: Optional[Literal["gae", "impala"]] = None
-    """The policy-gradient advantage of vtrace and appo. gae: r + gamma ((1 - lambda) V(s+1) +
-    lambda v_{s+1}) - V(s), which is GAE(lambda) exactly on on-policy data and keeps V-trace's
-    truncated traces off-policy. impala: r + gamma v_{s+1} - V(s) (IMPALA, Sample Factory), which on
-    on-policy data is not GAE for lambda < 1: its target at s+1 is the whole lambda-return. None
-    (default): gae for vtrace, impala for appo, the better of the two for each in the measurements of
-    docs/staleness.md."""
+    """The policy-gradient advantage of vtrace, appo and trust. gae: GAE(lambda) exactly on on-policy
+    data, V-trace's truncated traces off-policy. impala: r + gamma v_{s+1} - V(s) (IMPALA, Sample
+    Factory). null: impala for appo, else gae (docs/corrections.md)."""
     appo_rho_weight: bool = True
-    """appo: also weight each advantage by min(rho_bar, pi/mu), as Sample Factory does. PPO's ratio
-    pi/mu already importance-weights against the behaviour policy, so this weights every sample
-    twice (a gradient through rho x min(rho_bar, rho)): it damps the samples the policy has moved
-    away from. A trade-off (measured in docs/staleness.md): it protects tasks whose policy moves far
-    in one update (HalfCheetah) and costs those whose policy changes little (Pendulum): set false
-    for those."""
+    """appo: also weight each advantage by min(rho_bar, pi/mu), as Sample Factory does, which damps the
+    samples the policy has moved away from; false where the policy changes little per update
+    (docs/corrections.md)."""
     ewma_decay: Optional[Annotated[float, Range(ge=0, le=0.999999)]] = None
     """ewma: the proximal weights move as prox <- decay * prox + (1 - decay) * weights after every
     optimiser step. None: decay = age / (1 + age) with age = half the optimiser steps of one update,
@@ -506,36 +455,25 @@ class PPOConfig(ClippedPGConfig):
     trust_kl: Annotated[float, Range(gt=0)] = 0.1
     """trust: the approximate KL to pi_k one update may move at a mean lag of 1 (divided by the
     batch's mean lag ** trust_lag_power above that); the update stops at the end of the epoch that
-    passes it. 0.1 costs nothing at lag 1 on HalfCheetah (0.05 cost 12%: docs/staleness.md)."""
+    passes it (docs/corrections.md)."""
     trust_lag_power: Annotated[float, Range(ge=0, le=2)] = 0.5
-    """trust: the clip and the KL budget are divided by (mean lag) ** trust_lag_power. 0.5 (the
-    default, a move that adds up like a random walk's): level with vtrace on HalfCheetah at lag 8 with
-    mu three times closer to pi_k; 1 (GePPO's scaling) holds mu closest but leaves each version too
-    small a move there; 0: the same budget at every lag, which does not bound the distance to mu."""
+    """trust: the clip and the KL budget are divided by (mean lag) ** trust_lag_power. 0.5 (default): a
+    move that adds up like a random walk's; 1: GePPO's scaling; 0: the same budget at every lag
+    (docs/corrections.md)."""
     mask_threshold: Annotated[float, Range(gt=1)] = 2.0
     """mask: keep a sample only while 1/threshold <= pi/mu <= threshold (RLinf's
     behave_weight_threshold, default 2)."""
     recompute_values: Optional[bool] = None
-    """Recompute V(s), and every bootstrap value, with the current critic instead of using the
-    values the actor's (older) critic gave when it acted. None (default): when the batch holds
-    samples acted by an older version than the learner's (async mode), which costs one forward pass
-    over the batch and is a no-op on fresh data; true: always; false: never, for every correction
-    (V-trace then runs on the acting critic's values). The bootstrap after a truncation and after a
-    rollout's last step is recomputed from the observation async-mode actors send for it
-    (``bootstrap_observation``); a rollout without one (a recording from before it existed, or
-    standard mode, where nothing is stale) keeps the actor's ``next_value`` there."""
+    """Recompute V(s) and every bootstrap value with the current critic instead of taking the acting
+    critic's. null (default): when the batch holds samples of an older version (async mode); true:
+    always; false: never (docs/corrections.md)."""
 
     advantages_every: Optional[Literal["update", "epoch"]] = None
-    """When the off-policy corrections compute their advantages and value targets. update: once,
-    at the start of the update, from the policy and critic as they were then. epoch: again before
-    every epoch after the first, from the live critic and (for appo's weight min(rho_bar, pi/mu))
-    the live policy, as Sample Factory's APPO does per minibatch and as Andrychowicz et al. (2021,
-    "What matters in on-policy RL") recommend per pass. The anchor the ratio is clipped against
-    stays what the correction set at the start of the update (mu, or the proximal policy), and
-    ``mask`` keeps the samples it chose then. Costs one forward pass over the batch per epoch.
-    None (default): epoch for appo and vtrace on a batch that holds stale samples (async mode), else
-    update, so that every correction is plain PPO on fresh data (measured: docs/staleness.md). No
-    effect with ``correction: none`` and ``recompute_values: false``."""
+    """When the corrections compute advantages and value targets. update: once, at the start of the
+    update. epoch: again before every later epoch, from the live critic and policy (one forward pass
+    over the batch per epoch). null (default): epoch for vtrace, appo and trust on a batch that holds
+    stale samples, else update. No effect with correction none and recompute_values false
+    (docs/corrections.md)."""
 
 
 @dataclass
@@ -574,20 +512,15 @@ class GRPOConfig(ClippedPGConfig):
     truncate_at_first_done: bool = True
     """An env contributes only up to its first episode end in the rollout."""
     dynamic_sampling: bool = False
-    """Dynamic sampling (DAPO, Yu et al. 2025; SimpleVLA-RL): a group whose members' outcomes are
-    all the same (all succeeded or all failed, for a 0/1 reward) has zero advantage everywhere and
-    teaches nothing; leave it out of the loss, and keep the batch size by taking more rollouts until
-    an update holds as many groups that differ as rollouts_per_update rollouts would. A rollout with
-    no such group is dropped at once (counted as "uninformative"). "The same" is what the baseline
-    compares: within 1e-6 of each other. Needs trainer.buffer_type "async" (standard mode trains each
-    version on exactly the rollouts acted by it, and has no more to take)."""
+    """Dynamic sampling (DAPO; SimpleVLA-RL): leave out of the loss every group whose members' outcomes
+    are all the same (zero advantage), and take more rollouts until an update holds as many groups that
+    differ as rollouts_per_update rollouts would. Needs trainer.buffer_type "async"
+    (docs/guides/inference_server.md)."""
     dynamic_sampling_min_accuracy: Annotated[float, Range(ge=0, le=1)] = 0.0
-    """With dynamic sampling, the lower end of a band on a group's success rate, kept instead of
-    "outcomes differ": a group is kept when min < its rate < max (SimpleVLA-RL's and TorchRL's
-    recipe: 0.1 and 0.9). A member succeeded when its return up to its first episode end is positive:
-    for a 0/1 success reward (Reach's ``reward: "success"``), whether it reached the goal. The
-    defaults, 0 and 1, keep the rule above, for any reward; in groups of fewer than 10 envs a band of
-    0.1 and 0.9 keeps the groups that hold both a success and a failure."""
+    """With dynamic sampling, the lower end of a band on a group's success rate: a group is kept when
+    min < its rate < max instead of when its outcomes differ (SimpleVLA-RL: 0.1 and 0.9). A member
+    succeeded when its return up to its first episode end is positive. 0 and 1 (the defaults) keep the
+    rule above, for any reward (docs/guides/inference_server.md)."""
     dynamic_sampling_max_accuracy: Annotated[float, Range(ge=0, le=1)] = 1.0
     """The upper end of that band (see ``dynamic_sampling_min_accuracy``)."""
 
