@@ -358,8 +358,36 @@ class ActionTokenPolicy(nn.Module):
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self.temperature = temperature
 
-        # A vision-language model: the image enters as n_img copies of the image token, which the
-        # model replaces with the vision tower's projected patches (PaliGemma's get_placeholder_mask).
+        self._read_vision(cfg, text_cfg, image_size)
+        base_params = inspect.signature(self._trunk().forward).parameters
+        # PaliGemma's prefix is bidirectional and its suffix causal: token_type_ids 0 and 1.
+        self._token_types = "token_type_ids" in base_params
+        self._validate(vocab, binning, proprio_bounds)
+
+        self.bins = ActionBins(low, high, n_bins, binning)
+        if self.bins.low.numel() not in (1, action_dim):
+            raise ValueError(f"ActionTokenPolicy: low/high have {self.bins.low.numel()} values for "
+                             f"action_dim={action_dim}: give one bound, or one per action dim")
+        self.proprio_bins = ActionBins(*proprio_bounds, n_bins, binning) if proprio_bounds is not None else None
+        self.register_buffer("image_mean", torch.tensor(image_mean, dtype=torch.float32).view(3, 1, 1),
+                             persistent=False)
+        self.register_buffer("image_std", torch.tensor(image_std, dtype=torch.float32).view(3, 1, 1),
+                             persistent=False)
+        if value_head:
+            self.value_head = nn.Linear(hidden, 1)
+            nn.init.zeros_(self.value_head.bias)
+        else:
+            self.value_head = None
+            # VLAPolicy decides "has a critic" from callable(model.value); hide the method.
+            self.value = None
+        # The [sep] hidden state of the last prompt pass, kept for value(obs) on the same obs object,
+        # so VLAPolicy's action_dist(obs) + value(obs) is one forward pass, not two.
+        self._stash: tuple[TensorDictBase, torch.Tensor] | None = None
+
+    def _read_vision(self, cfg, text_cfg, image_size: int | None) -> None:
+        """A vision-language model: the image enters as n_img copies of the image token, which the
+        model replaces with the vision tower's projected patches (PaliGemma's get_placeholder_mask).
+        A text-only model has no image token, and image size and token count 0."""
         vision_cfg = getattr(cfg, "vision_config", None)
         self.image_token_id = getattr(cfg, "image_token_id", None) if vision_cfg is not None else None
         self.image_size, self.n_image_tokens = 0, 0
@@ -367,10 +395,10 @@ class ActionTokenPolicy(nn.Module):
             self.image_size = image_size or vision_cfg.image_size
             self.n_image_tokens = getattr(text_cfg, "num_image_tokens", None) or \
                 (vision_cfg.image_size // vision_cfg.patch_size) ** 2
-        base_params = inspect.signature(self._trunk().forward).parameters
-        # PaliGemma's prefix is bidirectional and its suffix causal: token_type_ids 0 and 1.
-        self._token_types = "token_type_ids" in base_params
 
+    def _validate(self, vocab: int, binning: str, proprio_bounds) -> None:
+        """Raise ValueError naming every inconsistent setting at once, each with the fix."""
+        decoding, action_dim, n_bins, temperature = self.decoding, self.action_dim, self.n_bins, self.temperature
         errors = []
         if decoding not in DECODING_MODES:
             errors.append(f"decoding={decoding!r} is not one of {DECODING_MODES}")
@@ -396,26 +424,6 @@ class ActionTokenPolicy(nn.Module):
             errors.append(f"proprio_bounds={proprio_bounds!r} must be (low, high) or None")
         if errors:
             raise ValueError("ActionTokenPolicy:\n  - " + "\n  - ".join(errors))
-
-        self.bins = ActionBins(low, high, n_bins, binning)
-        if self.bins.low.numel() not in (1, action_dim):
-            raise ValueError(f"ActionTokenPolicy: low/high have {self.bins.low.numel()} values for "
-                             f"action_dim={action_dim}: give one bound, or one per action dim")
-        self.proprio_bins = ActionBins(*proprio_bounds, n_bins, binning) if proprio_bounds is not None else None
-        self.register_buffer("image_mean", torch.tensor(image_mean, dtype=torch.float32).view(3, 1, 1),
-                             persistent=False)
-        self.register_buffer("image_std", torch.tensor(image_std, dtype=torch.float32).view(3, 1, 1),
-                             persistent=False)
-        if value_head:
-            self.value_head = nn.Linear(hidden, 1)
-            nn.init.zeros_(self.value_head.bias)
-        else:
-            self.value_head = None
-            # VLAPolicy decides "has a critic" from callable(model.value); hide the method.
-            self.value = None
-        # The [sep] hidden state of the last prompt pass, kept for value(obs) on the same obs object,
-        # so VLAPolicy's action_dist(obs) + value(obs) is one forward pass, not two.
-        self._stash: tuple[TensorDictBase, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ prompt
     def _trunk(self) -> nn.Module:
