@@ -58,6 +58,77 @@ def giant_zero_size_messages() -> list[list[bytes]]:
     return out
 
 
+def _check_weights(sub, checked: list[int], nonfinite: list) -> None:
+    """Read every message waiting on `sub`: each weights message's version goes to `checked`, and to
+    `nonfinite` with the keys of its tensors that are not finite."""
+    while sub.poll(0):
+        topic, *frames = sub.recv_multipart()     # shared/transport.py: a topic frame, then the wire frames
+        assert topic in (b"w", b"c"), topic
+        td, meta = wire.decode(frames)
+        if meta.get("kind") != "weights":
+            continue
+        bad = [k for k, v in td.items(include_nested=True, leaves_only=True)
+               if v.dtype.is_floating_point and not bool(torch.isfinite(v).all())]
+        checked.append(meta["version"])
+        if bad:
+            nonfinite.append((meta["version"], bad))
+
+
+def _connect(ctx, run_dir):
+    """An outsider's sockets on the run: SUB to its weights, PUSH to its rollouts."""
+    import zmq
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoints["weights"])
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.SNDTIMEO, 30_000)
+    push.connect(endpoints["rollouts"])
+    return sub, push
+
+
+def _attack(push, run_dir, template, spec, after_each) -> dict[str, int]:
+    """Send every hostile message to the run: giant, schema attacks under the real actors' ids,
+    forged evaluations and mutated rollouts. Calls `after_each()` after each one. Returns how many of
+    each kind were sent."""
+    sent = {"giant": 0, "schema": 0, "eval": 0, "mutated": 0}
+
+    def send(kind: str, frames) -> None:
+        push.send_multipart(frames)   # blocks at the learner's high-water mark: none is lost
+        sent[kind] += 1
+        after_each()
+
+    for frames in giant_zero_size_messages():
+        send("giant", frames)
+    seq = FORGER_SEQ
+    version = _last_version(run_dir)
+    for _name, td in schema_attacks(template, spec, version):
+        for actor in (0, 1):     # under the real actors' ids
+            send("schema", [bytes(f) for f in wire.encode(td, **rollout_meta(actor, seq, version))])
+            seq += 1
+    forged = {"returns": [12345.0], "lengths": [500], "version": version, "env_steps": 1, "final": True}
+    for extra in ({}, {"sender": "evaluator"}, {"token": "0" * 32}):
+        send("eval", [bytes(f) for f in wire.encode(TensorDict({}, []), kind="eval", **forged, **extra)])
+    rng = random.Random(12)
+    for i in range(N_MUTATIONS):
+        if i % 500 == 0:
+            version = max(_last_version(run_dir), 0)
+            base = valid_rollout(template, spec, version, seed=i)
+        send("mutated", mutated_message(base, rollout_meta(rng.randrange(2), seq, version), rng))
+        seq += 1
+    return sent
+
+
+def _accounted(run_dir) -> int:
+    """Messages the learner has counted: malformed, rejected, and forged rollouts accepted."""
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "wire/malformed" in m]
+    if not metrics:
+        return 0
+    return metrics[-1]["wire/malformed"] + metrics[-1]["wire/rejected"] + _forged_accounted(run_dir)
+
+
 def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
     import zmq
 
@@ -71,64 +142,16 @@ def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
     weights_checked, nonfinite = [], []
 
     def check_weights(sub) -> None:
-        while sub.poll(0):
-            topic, *frames = sub.recv_multipart()     # shared/transport.py: a topic frame, then the wire frames
-            assert topic in (b"w", b"c"), topic
-            td, meta = wire.decode(frames)
-            if meta.get("kind") != "weights":
-                continue
-            bad = [k for k, v in td.items(include_nested=True, leaves_only=True)
-                   if v.dtype.is_floating_point and not bool(torch.isfinite(v).all())]
-            weights_checked.append(meta["version"])
-            if bad:
-                nonfinite.append((meta["version"], bad))
+        _check_weights(sub, weights_checked, nonfinite)
 
     try:
         assert run.wait(120, until=lambda: _last_version(run_dir) >= 3) is None, run.output()
-        endpoints = json.loads((run_dir / "endpoints.json").read_text())
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(endpoints["weights"])
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDTIMEO, 30_000)
-        push.connect(endpoints["rollouts"])
-        sent = {"giant": 0, "schema": 0, "eval": 0, "mutated": 0}
-
-        def send(kind: str, frames) -> None:
-            push.send_multipart(frames)   # blocks at the learner's high-water mark: none is lost
-            sent[kind] += 1
-            check_weights(sub)
-
-        for frames in giant_zero_size_messages():
-            send("giant", frames)
-        seq = FORGER_SEQ
-        version = _last_version(run_dir)
-        for _name, td in schema_attacks(template, spec, version):
-            for actor in (0, 1):     # under the real actors' ids
-                send("schema", [bytes(f) for f in wire.encode(td, **rollout_meta(actor, seq, version))])
-                seq += 1
-        forged = {"returns": [12345.0], "lengths": [500], "version": version, "env_steps": 1, "final": True}
-        for extra in ({}, {"sender": "evaluator"}, {"token": "0" * 32}):
-            send("eval", [bytes(f) for f in wire.encode(TensorDict({}, []), kind="eval", **forged, **extra)])
-        rng = random.Random(12)
-        for i in range(N_MUTATIONS):
-            if i % 500 == 0:
-                version = max(_last_version(run_dir), 0)
-                base = valid_rollout(template, spec, version, seed=i)
-            send("mutated", mutated_message(base, rollout_meta(rng.randrange(2), seq, version), rng))
-            seq += 1
+        sub, push = _connect(ctx, run_dir)
+        sent = _attack(push, run_dir, template, spec, lambda: check_weights(sub))
         total = sum(sent.values())
         v_after_attack = _last_version(run_dir)
-
-        def accounted() -> int:
-            metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "wire/malformed" in m]
-            if not metrics:
-                return 0
-            return metrics[-1]["wire/malformed"] + metrics[-1]["wire/rejected"] + _forged_accounted(run_dir)
-
-        assert run.wait(180, until=lambda: _last_version(run_dir) >= v_after_attack + 10 and accounted() >= total,
+        assert run.wait(180, until=lambda: (_last_version(run_dir) >= v_after_attack + 10
+                                            and _accounted(run_dir) >= total),
                         every=lambda: check_weights(sub)) is None, run.output()
         check_weights(sub)
         push.close()
