@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -57,6 +58,14 @@ def raise_on_signal(signum, frame):
 def machine_info() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "load_average_at_end": os.getloadavg()[0]}
+
+
+def write_results(path: Path, doc: dict, tag: str) -> None:
+    """--json: `doc`, then the machine and the time, written to `path` (its folder made) and announced."""
+    doc = {**doc, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"[{tag}] results written to {path}")
 
 
 def group_members(pgid: int) -> list[str]:

@@ -105,8 +105,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import (LAUNCHER, ROOT, BenchmarkError, child_env, machine_info,  # noqa: E402
-                     raise_on_signal, read_jsonl, stop_launcher, tail)
+from _common import (LAUNCHER, ROOT, BenchmarkError, child_env,  # noqa: E402
+                     raise_on_signal, read_jsonl, stop_launcher, tail, write_results)
 
 DEFAULT_CONFIG = ROOT / "configs" / "cartpole_ppo.json"
 TARGET_VS_STANDARD = 3.0               # vla-4 / standard-1 should be at least this
@@ -745,12 +745,8 @@ def _write_json(args, cfg, names: list[str], results: list[Result], equal: list,
            "batch_size": cfg.algorithm.cfg.batch_size, "n_epochs": cfg.algorithm.cfg.n_epochs,
            "overrides": {n: variant_overrides(args, VARIANTS[n]) for n in names},
            "results": [asdict(r) for r in results], "equal": equal,
-           "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD},
-           "machine": machine_info(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"[async] results written to {args.json}")
+           "key": key, "targets": {"vla4_over_standard1": TARGET_VS_STANDARD, "vla4_over_thread": TARGET_VS_THREAD}}
+    write_results(args.json, doc, "async")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,8 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl,  # noqa: E402
-                     stop_process_groups, tail)
+from _common import (ROOT, BenchmarkError, child_env, raise_on_signal, read_jsonl,  # noqa: E402
+                     stop_process_groups, tail, write_results)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 TARGET = 0.9                           # transport-only / env+inference should be at least this
@@ -523,12 +523,8 @@ def _write_json(args, cfg, results: list[PhaseResult], key: float | None) -> Non
     doc = {"config": str(args.config), "env": cfg.env.id, "actors": args.actors,
            "num_envs": cfg.actors.num_envs, "buffer_size": cfg.trainer.buffer_size, "steps": args.steps,
            "warmup": args.warmup, "overrides": args.sets, "phases": [asdict(r) for r in results],
-           "transport_over_inference": key, "target": TARGET,
-           "machine": machine_info(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"[overhead] results written to {args.json}")
+           "transport_over_inference": key, "target": TARGET}
+    write_results(args.json, doc, "overhead")
 
 
 def main(argv: list[str] | None = None) -> int:
