@@ -7,7 +7,6 @@ at rollout boundaries, so every step of a rollout is acted by the version stampe
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import threading
@@ -17,19 +16,21 @@ from typing import Protocol
 
 import torch
 import zmq
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from actors.emulated_device import device_for
+from actors.pacing import Credits
 from actors.inference_topology import endpoint_path, server_of
 from actors.remote_policy import InferenceRefused, InferenceStopped, InferenceUnavailable, RemotePolicy
 from actors.rollout import Collector, EnvParts, sends_bootstrap_obs
+from actors.rollout_sender import RolloutSender, RolloutSink, SendFailed
 from actors.weights_loader import WeightsLoader
-from shared import keys, wire
+from shared import keys
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
 from shared.rollout import RolloutMeta, actor_seed, group_seeds
-from shared.rollout_ring import RingFull, attach_producer
+from shared.rollout_ring import attach_producer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
 from shared.transport import RESEND_AFTER_S, RolloutPusher, WeightsSubscriber
@@ -41,19 +42,6 @@ class WeightsSource(Protocol):
     def newest(self, timeout_ms: int = 0) -> tuple[TensorDictBase, dict] | None: ...
 
     # optional: ask(version, incarnation, weights=True): the learner re-sends what a wait lacks (shared.transport)
-
-
-class RolloutSink(Protocol):
-    def send(self, frames: list, timeout_ms: int) -> zmq.MessageTracker | None: ...
-
-
-def max_inflight(cfg: Config) -> int:
-    """lag_policy "pace": an actor's rollouts unconsumed at the learner, at most. Enough in flight
-    that the learner always has a full batch (n x ceil(k/n) >= k), no more than the lag allows, and
-    no more than the learner's buffer holds (or pacing would still end in overwrites)."""
-    k, n = cfg.rollouts_per_update, cfg.actors.num_actors
-    capacity = max(cfg.trainer.buffer_capacity, k)
-    return max(math.ceil(k / n), min(math.ceil(max(1, cfg.trainer.max_policy_lag) * k / n), capacity // n))
 
 
 class Actor:
@@ -104,9 +92,9 @@ class Actor:
                                    bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
         # actors.rollout_transport "ring": rollouts go into our slots of the learner's ring, the message
         # carries only the header (shared/rollout_ring.py); the file is checked here, before any rollout
-        self.ring = attach_producer(cfg, self.env.spec, has_critic(self.policy), actor_id, rollout_ring)
+        ring = attach_producer(cfg, self.env.spec, has_critic(self.policy), actor_id, rollout_ring)
+        self.sender = RolloutSender(sink, ring, self.stop_event, lambda: self._poll(0), learner_timeout_s)
         self.seq = 0
-        self._trackers: list[zmq.MessageTracker | None] = [None, None]
         self.rollouts_since_sync = 0
         self.failed = False   # set when the actor gives up on an unreachable learner
         self._last_acted = -1
@@ -116,10 +104,8 @@ class Actor:
         self.loader = WeightsLoader(self.policy if remote is None else None, self.device, cfg.actors,
                                     self.base_digest, f"actor {actor_id}")
         self._synced: list[list] = []                # [[version, received, first acted]] for the next rollout
-        self._consumed_base: int | None = None       # the learner's count for this id when we started
-        self._seq_base = 0                           # our seq when that count was taken
-        self.max_inflight = max_inflight(cfg)
-        self.pace = cfg.trainer.buffer_type == "vla" and cfg.trainer.lag_policy == "pace"
+        self.credits = Credits(cfg, actor_id)        # lag_policy pace: our rollouts the learner has not consumed
+        self.pace = cfg.trainer.buffer_type != "standard" and cfg.trainer.lag_policy == "pace"
         # no study knob holds weights back: the server loads an announced version as soon as it has it
         # (with weights_lag_versions or weights_delay_s it loads it late on purpose, and a paced actor
         # asking for it would wait for what the learner cannot publish without its rollouts)
@@ -165,11 +151,15 @@ class Actor:
             self.stop_event.set()
         elif outcome == "new_learner":
             self._last_acted = -1                       # standard mode: act with its version at once
-            self._consumed_base, self._seq_base = None, self.seq   # pacing counts start again
+            self.credits.restart(self.seq)              # pacing counts start again
 
     def _give_up(self, why: str) -> bool:
         """The learner has been unreachable for `learner_timeout_s`: log, mark failed, stop. Returns False."""
-        log.error("actor %d: %s for %.0f s; exiting", self.actor_id, why, self.learner_timeout_s)
+        return self._fail(f"{why} for {self.learner_timeout_s:.0f} s")
+
+    def _fail(self, why: str) -> bool:
+        """Log `why`, mark the actor failed and stop it. Returns False."""
+        log.error("actor %d: %s; exiting", self.actor_id, why)
         self.failed = True
         self.stop_event.set()
         return False
@@ -211,45 +201,14 @@ class Actor:
         meta = RolloutMeta.of(self.actor_id, self.seq, stats, policy_version=self.version,
                               incarnation=self.incarnation, env_steps=rollout.numel(), base_digest=self.base_digest,
                               synced=self._synced, time=time.time())
-        if self.ring is not None:
-            header = self._to_ring(rollout)
-            if header is None:
-                return False
-            frames = wire.encode(TensorDict({}, batch_size=[]), **meta.to_meta(), ring=header)
-        else:
-            frames = wire.encode(rollout, **meta.to_meta())
         self._synced = []
-        deadline = time.monotonic() + self.learner_timeout_s
-        while not self.stop_event.is_set():
-            tracker = self.sink.send(frames, timeout_ms=100)
-            if tracker is not None:
-                # with the ring, the header's frame is our own bytes: the rollout storage is free at once
-                self._trackers[index] = tracker if self.ring is None else None
-                self.seq += 1
-                return True
-            if not self._poll(0):
-                return False
-            if time.monotonic() > deadline:
-                return self._give_up("the learner has not taken a rollout")
-        return False
-
-    def _to_ring(self, rollout: TensorDictBase) -> dict | None:
-        """Copy `rollout` into a free slot of our ring and return its header; None on stop, or
-        when no slot came free for `learner_timeout_s` (we then give up, as for an unreachable learner)."""
         try:
-            slot = self.ring.claim(self.learner_timeout_s, should_stop=lambda: self.stop_event.is_set()
-                                   or not self._poll(0))
-        except RingFull:
-            self._give_up("no rollout ring slot came free (the learner released none)")
-            return None
-        except RuntimeError as e:   # another actor attached to our ring: ours is no longer ours to write
-            log.error("actor %d: %s; exiting", self.actor_id, e)
-            self.failed = True
-            self.stop_event.set()
-            return None
-        if slot is None:
-            return None
-        return self.ring.write(slot, rollout)
+            sent = self.sender.send(rollout, meta.to_meta(), index)
+        except SendFailed as e:
+            return self._give_up(str(e)) if e.timed_out else self._fail(str(e))
+        if sent:
+            self.seq += 1
+        return sent
 
     def _between_steps(self) -> bool:
         """Asked between env steps: True to abandon the rollout (stop signal or stop message).
@@ -271,38 +230,20 @@ class Actor:
 
     def _inflight(self) -> int:
         """This actor's rollouts sent but not yet consumed or dropped by the learner, as far as we know."""
-        consumed = getattr(self.weights, "consumed", None)
-        if not (isinstance(consumed, list) and self.actor_id < len(consumed)
-                and isinstance(consumed[self.actor_id], int)):
-            return 0
-        source = getattr(self.weights, "consumed_from", None)
-        if source is not None and self.incarnation is not None and source != self.incarnation:
-            return 0                         # another life of the learner counted these: not ours to wait on
-        if self._consumed_base is None:      # counts from earlier lives of this actor id (or of the learner)
-            self._consumed_base = consumed[self.actor_id]
-        return (self.seq - self._seq_base) - (consumed[self.actor_id] - self._consumed_base)
+        return self.credits.inflight(self.weights, self.seq, self.incarnation)
 
     def _wait_for_credit(self) -> bool:
         """lag_policy "pace": wait while `max_inflight` of our rollouts are still unconsumed at the
         learner, instead of producing data that would be too old by the time it is trained on."""
         deadline = time.monotonic() + self.learner_timeout_s
         ask = self._asker(weights=False)
-        while self._inflight() >= self.max_inflight:
+        while self._inflight() >= self.credits.max_inflight:
             if self.stop_event.is_set() or not self._poll(timeout_ms=50):
                 return False
             ask()
             if time.monotonic() > deadline:
                 return self._give_up("the learner consumed none of our rollouts")
         return True
-
-    def _wait_storage_free(self, index: int) -> None:
-        tracker = self._trackers[index]
-        while tracker is not None and not tracker.done and not self.stop_event.is_set():
-            try:
-                tracker.wait(0.1)
-            except zmq.NotDone:
-                pass
-        self._trackers[index] = None
 
     def step_once(self) -> bool:
         """Take weights if due, collect one rollout and send it. Returns False when the actor should stop.
@@ -329,7 +270,7 @@ class Actor:
         if self._new_version:   # the weight-sync delay ends here: the first action with this version
             self._synced.append([self.version, self._received_at, time.time()])
             self._new_version = False
-        self._wait_storage_free(self.collector.next_index)
+        self.sender.wait_storage_free(self.collector.next_index)
         seeds = group_seeds(self.cfg, self.actor_id, self.seq)
         out = self.collector.collect(self.version, reset_seeds=seeds, should_stop=self._between_steps,
                                      refresh=self._refresh if self.in_flight else None)
@@ -354,7 +295,7 @@ class Actor:
             announced = getattr(self.weights, "announced", None)
             if announced is not None:
                 self.remote.min_version, self.remote.min_incarnation = announced
-        self._wait_storage_free(self.collector.next_index)
+        self.sender.wait_storage_free(self.collector.next_index)
         seeds = group_seeds(self.cfg, self.actor_id, self.seq)
         try:
             out = self.collector.collect(self.version, reset_seeds=seeds, should_stop=self._between_steps)
@@ -363,16 +304,13 @@ class Actor:
         except InferenceUnavailable as e:
             return self._give_up(str(e))
         except InferenceRefused as e:   # our envs gave observations the policy cannot act on
-            log.error("actor %d: %s; exiting", self.actor_id, e)
-            self.failed = True
-            self.stop_event.set()
-            return False
+            return self._fail(str(e))
         if out is None:
             return False
         rollout, stats, index = out
         r = self.remote
         if self.incarnation is not None and r.incarnation != self.incarnation:   # the learner restarted
-            self._consumed_base, self._seq_base = None, self.seq
+            self.credits.restart(self.seq)
         self.loader.version, self.loader.incarnation = r.version, r.incarnation
         self._last_acted = r.version   # the last reply's: a rollout across a learner restart mixes two lives
         self._synced, r.synced = r.synced, []
@@ -397,8 +335,7 @@ class Actor:
         self.loader.close()
         if self.remote is not None:
             self.remote.close()
-        if self.ring is not None:
-            self.ring.close()
+        self.sender.close()
         self.env.close()
         if self.emulated_device is not None:
             self.emulated_device.close()

@@ -64,7 +64,7 @@ def test_pacing_credits_restart_with_a_new_learner():
     w, meta_old = old.publisher.published[-1]
     source = Scripted([(w, meta_old)])
     actor = Actor(cfg, 0, source, CaptureSink(), learner_timeout_s=0.5)
-    assert actor.max_inflight == 1
+    assert actor.credits.max_inflight == 1
     assert actor.step_once()
     assert actor._inflight() == 1            # the old learner never consumed it: it died
     new = Learner(cfg, run_dir=None, publisher=ListPublisher())

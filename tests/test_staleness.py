@@ -139,7 +139,7 @@ def test_pace_waits_for_the_learner_instead_of_running_ahead():
 
     sink = CaptureSink()
     actor = Actor(cfg, 0, Source(pub), sink, learner_timeout_s=0.5)
-    assert actor.max_inflight == 2      # ceil(max_policy_lag x k / num_actors), k = 1
+    assert actor.credits.max_inflight == 2      # ceil(max_policy_lag x k / num_actors), k = 1
     assert actor.step_once() and actor.step_once()
     assert actor._inflight() == 2
     assert not actor.step_once() and actor.failed and len(sink.messages) == 2   # waited; nobody consumed

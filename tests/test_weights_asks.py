@@ -218,10 +218,10 @@ def test_a_paced_actor_that_lost_its_credit_asks_again(monkeypatch):
                 self.consumed, self.consumed_from = msg[1]["consumed"], msg[1]["incarnation"]
             return None if msg is not None and msg[1]["kind"] == "credit" else msg
     actor = Actor(cfg, 0, None, CaptureSink(), learner_timeout_s=5.0)
-    credit = (TensorDict({}, []), {"kind": "credit", "consumed": [actor.max_inflight],
+    credit = (TensorDict({}, []), {"kind": "credit", "consumed": [actor.credits.max_inflight],
                                    "incarnation": learner.incarnation, "version": 0})
     actor.weights = source = CreditSource(first, credit)
-    for _ in range(actor.max_inflight):
+    for _ in range(actor.credits.max_inflight):
         assert actor.step_once()
     t0 = time.monotonic()
     assert actor.step_once(), "the actor gave up waiting for the credit it lost"
