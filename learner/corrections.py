@@ -23,7 +23,7 @@ from learner.minibatch import log_ratio
 from learner.proximal import EWMAProximal, ewma_decay_for
 from learner.vtrace import vtrace
 from shared import keys
-from shared.config import PPOConfig
+from shared.config import Config, PPOConfig, add_rule
 
 
 class CurrentPolicy:
@@ -375,3 +375,18 @@ def make_correction(cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, in
                     steps_per_update: int = 1, compiled: bool = False) -> Correction:
     """The correction ``cfg.correction`` names, chosen once per learner."""
     return correction_class(cfg.correction)(cfg, now, count, steps_per_update, compiled)
+
+
+@add_rule
+def _correction_rule(cfg: Config) -> list[str]:
+    """``algorithm.cfg.correction`` at load: null becomes the mode's recommended correction, and a name
+    must be in the registry."""
+    alg = cfg.algorithm.cfg
+    if not isinstance(alg, PPOConfig):
+        return []
+    if alg.correction is None:
+        alg.correction = recommended(cfg.trainer.buffer_type)
+    if alg.correction not in CORRECTIONS:
+        return [f"algorithm.cfg.correction: {alg.correction!r} is not a correction; choose from "
+                f"{', '.join(map(repr, CORRECTIONS))}"]
+    return []

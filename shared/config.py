@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -300,7 +300,7 @@ class EnvConfig:
     id: str = "CartPole-v1"
     """A gymnasium id, or "tandem/<Name>" for a torch-native batched simulator."""
     cfg: dict = field(default_factory=dict)
-    """Keyword arguments for the env constructor."""
+    """The env's options: docs/reference/envs.md (a gymnasium id: keywords for gymnasium.make)."""
     device: str = ""
     """Where the actors' envs step ("cpu", "cuda:N"). Empty: on the actor's device (actors.devices);
     gymnasium envs always step on the CPU. "cpu" keeps a torch-native simulator (tandem/...) or
@@ -691,6 +691,20 @@ def _build(cls: type, raw: dict, path: str, errors: list[str]) -> Any:
     return cls(**kwargs)
 
 
+# Rules added by the package that owns a field's vocabulary, since shared/ imports neither actors/ nor
+# learner/ (tests/test_layering.py). Each takes the built config, may fill the fields it owns that were
+# left null, and returns its problems. learner/corrections.py adds algorithm.cfg.correction's (the
+# recommended correction for the mode; the registry's names), so every process that trains checks it.
+OWNER_RULES: list[Callable[[Config], list[str]]] = []
+
+
+def add_rule(rule: Callable[[Config], list[str]]) -> Callable[[Config], list[str]]:
+    """Add `rule` to :data:`OWNER_RULES` (once; usable as a decorator)."""
+    if rule not in OWNER_RULES:
+        OWNER_RULES.append(rule)
+    return rule
+
+
 def _check(cfg: Config) -> list[str]:
     """Cross-field rules, one function per concern; every violated rule is reported. Single fields'
     bounds are their `Range`s; the rules also run when a value is out of its Range (a group_size of 0
@@ -703,11 +717,6 @@ def _check_algorithm(cfg: Config) -> list[str]:
     """algorithm.cfg against the rest: GRPO's groups, dynamic sampling, the correction, the batch."""
     t, a, alg, p = cfg.trainer, cfg.actors, cfg.algorithm.cfg, cfg.policy
     errors: list[str] = []
-    if isinstance(alg, PPOConfig):
-        from learner.corrections import CORRECTIONS   # the registry; imported here, as it imports this module
-        if alg.correction not in CORRECTIONS:
-            errors.append(f"algorithm.cfg.correction: {alg.correction!r} is not a correction; choose from "
-                          f"{', '.join(map(repr, CORRECTIONS))}")
     grpo = isinstance(alg, GRPOConfig)
     if grpo and alg.group_size > 0 and a.num_envs % alg.group_size:
         errors.append(f"actors.num_envs: {a.num_envs} is not a multiple of algorithm.cfg.group_size "
@@ -1000,11 +1009,9 @@ def config_from_dict(raw: dict, source: str = "<dict>", overrides: list[str] = (
     cfg = _build(Config, raw, "", errors)
     if isinstance(cfg.trainer, TrainerConfig) and cfg.trainer.buffer_type == "vla":
         cfg.trainer.buffer_type = "async"   # the older spelling: one name from here on
-    if (isinstance(cfg.algorithm.cfg, PPOConfig) and cfg.algorithm.cfg.correction is None
-            and isinstance(cfg.trainer, TrainerConfig)):
-        from learner.corrections import recommended   # imported here: it imports this module
-        cfg.algorithm.cfg.correction = recommended(cfg.trainer.buffer_type)
     if all(isinstance(e, _OutOfRange) for e in errors):  # every value has its type: the cross-field rules apply
+        for rule in OWNER_RULES:
+            errors += rule(cfg)
         errors += _check(cfg)
     if errors:
         lines = "\n".join(f"  {source}: {e}" for e in errors)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import learner.corrections  # noqa: F401  (adds the correction's rule: the mode's default, the registry's names)
 from shared.config import (ActorsConfig, AlgorithmConfig, Config, ConfigError, EnvConfig, LearnerConfig,
                            PolicyConfig, PPOConfig, TrainerConfig, config_from_dict, load_config, save_config)
 
@@ -415,7 +416,8 @@ def test_the_asynchronous_mode_is_async_and_its_older_spelling_vla_is_still_acce
 
 def test_the_default_correction_is_the_recommended_one_for_the_mode():
     """trust in async mode (docs/corrections.md recommends it), none in standard mode (on-policy
-    data needs none); a correction set in the config is kept in either mode."""
+    data needs none); a correction set in the config is kept in either mode. The rule is
+    learner/corrections.py's (shared/ does not import learner/): every process that trains loads it."""
     assert config_from_dict({}).algorithm.cfg.correction == "trust"
     assert config_from_dict({"trainer": {"buffer_type": "standard"}}).algorithm.cfg.correction == "none"
     for mode in ("standard", "async"):
