@@ -38,7 +38,7 @@ of 64 envs pays it once: sharing never batches across actors.
 inference capacity; their speed-up measures that capacity more than asynchrony:
 
 1. ``standard-1`` -- ``trainer.buffer_type=standard``, 1 actor: collect, then train, then collect.
-2. ``vla-1``, ``vla-2``, ``vla-4`` -- ``trainer.buffer_type=vla`` with 1, 2 and 4 actor processes:
+2. ``vla-1``, ``vla-2``, ``vla-4`` -- ``trainer.buffer_type=async`` with 1, 2 and 4 actor processes:
    actors never wait for the learner.
 3. ``thread`` -- the seed framework's own asynchronous design rebuilt in ONE process (this one): a
    background collection thread and the training thread share ONE policy object under a

@@ -308,7 +308,7 @@ def part_warp(args, device: torch.device, mode: str) -> dict:
     """MuJoCo Warp HalfCheetah at mjlab's settings through the launcher (vla mode, 1 actor)."""
     sets = ["actors.num_actors=1", "actors.num_envs=4096", "trainer.buffer_size=24", f"actors.devices=[\"{device}\"]",
             f"learner.device={device}", f"learner.compile={mode}", "algorithm.cfg.n_epochs=5",
-            "algorithm.cfg.batch_size=24576", "trainer.buffer_type=vla", "trainer.max_policy_lag=1",
+            "algorithm.cfg.batch_size=24576", "trainer.buffer_type=async", "trainer.max_policy_lag=1",
             f"trainer.total_steps={args.warp_steps}", "trainer.eval_freq=0", "trainer.save_freq=0"]
     with tempfile.TemporaryDirectory(prefix="gpu_pipeline_warp_") as tmp:
         run_dir = Path(tmp) / "warp"

@@ -22,7 +22,7 @@
 #   2. vla-weights: benchmarks/vla_weights.py: the ~0.5B action-token VLA, acting step on CPU and CUDA in float32,
 #      bfloat16 and bf16 autocast at batch 1/8/32, a LoRA training step, peak memory
 #   3. cheetah: HalfCheetah PPO (configs/halfcheetah_ppo.json, 61,440 steps): learner on cpu, then on cuda:0
-#   3b. cheetah-vla: the same on cuda:0 in vla mode (trainer.buffer_type=vla)
+#   3b. cheetah-vla: the same on cuda:0 in async mode (trainer.buffer_type=async)
 #   4. reach: the pretrained action-token Reach model, LoRA PPO, 16,384 steps: learner and actors on
 #      cpu, then on cuda:0
 #   5. vla0p5b: the 0.5B action-token model through the launcher in vla mode on cuda:0 (bf16 autocast): each
@@ -183,7 +183,7 @@ if want cheetah; then
   run cheetah_cpu 100 "${CHEETAH[@]}"
   run cheetah_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV
 fi
-want cheetah-vla && run cheetah_vla_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV --set trainer.buffer_type=vla
+want cheetah-vla && run cheetah_vla_dev 100 "${CHEETAH[@]}" --set learner.device=$DEV --set trainer.buffer_type=async
 
 REACH=(--config configs/vla_tokens_reach_ppo.json --set trainer.save_freq=0
        --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel)
@@ -264,7 +264,7 @@ fi
 if want reach-ds; then
   step reach-ds 560 "$PY" benchmarks/reach_gains.py --config configs/vla_tokens_reach_grpo.json --seeds 1,2,3 \
     --parallel 6 --set policy.vla_config.model_path=benchmarks/pretrained/tokens_reach_intel \
-    --set trainer.buffer_type=vla --variant vla --variant "dynamic algorithm.cfg.dynamic_sampling=true" \
+    --set trainer.buffer_type=async --variant vla --variant "dynamic algorithm.cfg.dynamic_sampling=true" \
     --device "$DEV" --out "$RUNS/reach_ds"
   cp "$RUNS/reach_ds/gains.json" "$OUTDIR/reach_ds_gains.json" 2>/dev/null
 fi

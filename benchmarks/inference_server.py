@@ -77,7 +77,7 @@ def overrides(args, actors: int, mode: str) -> list[str]:
     if args.no_updates:   # an update would need more rollouts than the run makes: the learner never trains
         per_update = capacity = -(-args.steps // (args.num_envs * args.buffer_size)) + actors
     sets = list(args.sets) + [
-        "trainer.buffer_type=vla", f"actors.num_actors={actors}", f"actors.num_envs={args.num_envs}",
+        "trainer.buffer_type=async", f"actors.num_actors={actors}", f"actors.num_envs={args.num_envs}",
         f"trainer.total_steps={args.steps}", f"trainer.buffer_size={args.buffer_size}",
         f"trainer.rollouts_per_update={per_update}", "trainer.eval_freq=0", "trainer.save_freq=0",
         f"trainer.buffer_capacity={capacity}",

@@ -46,7 +46,7 @@ SETTINGS = ("rollout", "step")
 
 
 def overrides(a: argparse.Namespace, setting: str, seed: int) -> list[str]:
-    sets = [f"trainer.seed={seed}", f"trainer.total_steps={a.steps}", "trainer.buffer_type=vla",
+    sets = [f"trainer.seed={seed}", f"trainer.total_steps={a.steps}", "trainer.buffer_type=async",
             "trainer.lag_policy=pace", f"trainer.max_policy_lag={a.max_lag}", "trainer.rollouts_per_update=1",
             f"trainer.buffer_size={a.buffer_size}", f"trainer.eval_freq={max(a.steps // 10, 1)}",
             "trainer.save_freq=0", f"actors.num_actors={a.actors}", f"actors.num_envs={a.num_envs}",

@@ -42,7 +42,7 @@ def run(rollouts: int, repeats: int, publish_every_ms: float, num_envs: int = 16
     from shared.transport import WeightsPublisher, WeightsSubscriber
 
     cfg = load_config(ROOT / "configs" / "cartpole_ppo.json",
-                      ["trainer.buffer_type=vla", "trainer.lag_policy=drop", f"actors.num_envs={num_envs}"])
+                      ["trainer.buffer_type=async", "trainer.lag_policy=drop", f"actors.num_envs={num_envs}"])
     torch.set_num_threads(1)
     ctx = zmq.Context()
     pub = WeightsPublisher(ctx, "127.0.0.1")

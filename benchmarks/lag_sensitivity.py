@@ -86,7 +86,7 @@ def run_case(config: Path, sets: list[str], actors: int, lag: int, seed: int, st
         raise ValueError(f"buffer_size {buffer_size} is not a multiple of {actors} actors")
     k, rollout_steps = (1, buffer_size) if per_update == "one" else (actors, buffer_size // actors)
     cfg = load_config(config, list(sets) + [
-        f"trainer.seed={seed}", "trainer.buffer_type=vla", f"actors.num_actors={actors}",
+        f"trainer.seed={seed}", "trainer.buffer_type=async", f"actors.num_actors={actors}",
         f"trainer.total_steps={steps}", f"actors.num_envs={num_envs}", f"trainer.buffer_size={rollout_steps}",
         f"trainer.rollouts_per_update={k}", "trainer.buffer_capacity=8", f"trainer.max_policy_lag={lag}",
         "trainer.eval_freq=0", "trainer.save_freq=0", f"algorithm.cfg.batch_size={min(256, samples)}",

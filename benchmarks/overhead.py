@@ -377,7 +377,7 @@ def phase_overrides(base_cfg, args, user_sets: list[str], transport_only: bool) 
                               f"trainer.log_interval_s={LOG_INTERVAL_S}"]
     if transport_only:
         # a discarding learner consumes nothing, so no admission credit ever comes back: actors run free
-        sets += ["trainer.buffer_type=vla", "trainer.lag_policy=drop"]
+        sets += ["trainer.buffer_type=async", "trainer.lag_policy=drop"]
         k = base_cfg.trainer.rollouts_per_update or args.actors
         if base_cfg.trainer.buffer_capacity < k:
             # Only the vla config check needs this: in discard mode the buffer is never used.

@@ -36,7 +36,7 @@ from weights_broadcast import memcpy_seconds, parse_count, run_one  # noqa: E402
 
 
 def measure(config: Path, ranks: int, actors: int, steps: int, run_dir: Path, timeout_s: float) -> dict:
-    sets = ["trainer.buffer_type=vla", "trainer.eval_freq=0", "trainer.save_freq=0",
+    sets = ["trainer.buffer_type=async", "trainer.eval_freq=0", "trainer.save_freq=0",
             "trainer.rollouts_per_update=2", "trainer.buffer_capacity=8", "trainer.max_policy_lag=16"]
     if ranks > 1:
         sets.append("learner.devices=" + json.dumps(["cpu"] * ranks))

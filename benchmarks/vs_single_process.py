@@ -11,7 +11,7 @@ In one sitting, for every seed in turn, every variant trains the config to the s
   ``shipped_compile`` -- shipped with ``learner.compile=compile`` (the loss through torch.compile).
 - ``standard`` -- ``launch/run_local.sh --config C``, the config as it is, with
   ``trainer.buffer_type=standard``: collect, then train, the actors waiting for every update.
-- ``overlap`` -- the same with ``trainer.buffer_type=vla``, ``lag_policy=pace``,
+- ``overlap`` -- the same with ``trainer.buffer_type=async``, ``lag_policy=pace``,
   ``max_policy_lag=1``, ``actors.nice=10`` and ``actors.weights_at=rollout``: the actors collect the
   next rollouts while the learner trains on the last ones, so every sample is trained on by the
   version after the one that acted (lag exactly 1), and the learner's update runs first where they
@@ -70,7 +70,7 @@ from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_sig
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
 VARIANTS = ("shipped", "shipped_evals", "shipped_compile", "standard", "overlap", "overlap_idle", "overlap_threads", "plain", "sb3")
-_OVERLAP = ["trainer.buffer_type=vla", "trainer.lag_policy=pace", "trainer.max_policy_lag=1", "actors.nice=10",
+_OVERLAP = ["trainer.buffer_type=async", "trainer.lag_policy=pace", "trainer.max_policy_lag=1", "actors.nice=10",
             "actors.weights_at=rollout"]
 # Every variant evaluates once, at the end, as sb3 and plain do: Tandem's periodic evaluations (a
 # child process stepping its own envs while the run trains) would be work the others do not do.

@@ -1,6 +1,6 @@
 """Retrain from a recorded run, deterministically, on exactly the data the learner trained on.
 
-    launch/run_local.sh --config configs/pendulum_ppo.json --out RUN --record --set trainer.buffer_type=vla
+    launch/run_local.sh --config configs/pendulum_ppo.json --out RUN --record --set trainer.buffer_type=async
     python launch/replay.py RUN [--out DIR] [--set algorithm.cfg.correction=vtrace ...] [--updates N]
 
 ``--record`` makes the learner store every batch it trains on (``RUN/record/update_NNNNNNN``, a

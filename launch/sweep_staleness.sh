@@ -5,7 +5,7 @@
 #   launch/sweep_staleness.sh CONFIG [--out DIR] [--sync "1 4 16"] [--corrections "none vtrace"]
 #                             [--delays "0"] [--seeds "1"] [--steps S] [--set KEY=VALUE ...]
 #
-# Every run uses trainer.buffer_type=vla with trainer.lag_policy=pace and a max_policy_lag large
+# Every run uses trainer.buffer_type=async with trainer.lag_policy=pace and a max_policy_lag large
 # enough that nothing is dropped, so all runs train on the same amount of data and the lag is set by
 # actors.sync_every (an actor takes new weights only at rollout boundaries, actors.weights_at=rollout,
 # and only every K rollouts) and, optionally,
@@ -63,7 +63,7 @@ for seed in $SEEDS; do for k in $SYNCS; do for d in $DELAYS; do for c in $CORREC
   runs+=("$run"); labels+=("$label")
   if [[ -f "$run/summary.json" ]]; then echo "[sweep] $label: done before, kept"; continue; fi
   rm -rf "$run"
-  args=(--config "$CONFIG" --out "$run" --set trainer.buffer_type=vla --set trainer.lag_policy=pace
+  args=(--config "$CONFIG" --out "$run" --set trainer.buffer_type=async --set trainer.lag_policy=pace
         --set "trainer.max_policy_lag=$max_lag" --set "actors.sync_every=$k" --set "actors.weights_delay_s=$d"
         --set "algorithm.cfg.correction=$c" --set "trainer.seed=$seed" --set actors.weights_at=rollout)
   [[ -n "$STEPS" ]] && args+=(--steps "$STEPS")
