@@ -130,3 +130,15 @@ class RequestChecker:
 def _describe(entries: dict) -> str:
     return ", ".join(f"{'/'.join(k[1:]) or 'obs'}: {d} {list(s)}"
                      for k, (s, d) in sorted(entries.items(), key=lambda e: str(e[0])))
+
+
+def busy_reply(rid: int) -> list:
+    """The reply to request `rid` when the server's queue is full: its actor sends the request again
+    after a pause (:data:`~actors.remote_policy.BUSY_RETRY_S`) instead of waiting for a reply that
+    cannot come."""
+    return wire.encode_leaves([0], [], kind="busy", id=rid)
+
+
+def error_reply(rid: int, why: str) -> list:
+    """The reply to request `rid` when the server will not act on it, and `why` (500 characters at most)."""
+    return wire.encode_leaves([0], [], kind="error", id=rid, why=why[:500])

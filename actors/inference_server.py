@@ -17,7 +17,7 @@ import torch
 import zmq
 from tensordict import TensorDict
 
-from actors.inference_requests import Request, RequestChecker
+from actors.inference_requests import Request, RequestChecker, busy_reply, error_reply
 from actors.inference_topology import served_actors
 from shared import keys, wire
 from shared.config import Config
@@ -182,14 +182,14 @@ class InferenceServer:
             self.stats.refuse("malformed", route, str(e))
             rid = getattr(e, "rid", None)
             if rid is not None:   # one of our actors' requests, bad by its observations: tell it, not wait
-                self._reply_error(route, rid, f"the request was refused: {e}")
+                self._tell(route, error_reply(rid, f"the request was refused: {e}"))
             return
         except Exception as e:   # decode promises WireError only: a bug on bad input must not end the server
             self.stats.refuse("malformed", route, f"{type(e).__name__}: {e}")
             return
         if len(self.waiting) >= self.max_queue:
             self.stats.refuse("busy", route, f"{len(self.waiting)} requests wait already (actors.server_queue)")
-            self._reply_busy(route, req.rid)
+            self._tell(route, busy_reply(req.rid))
             return
         self.waiting.append(req)
 
@@ -248,7 +248,15 @@ class InferenceServer:
         return min(self.max_wait_s, 0.5 * self.forward_ema_s)
 
     def _forward(self, kind: str, reqs: list[Request]) -> dict[str, torch.Tensor]:
+        """The policy's outputs for `reqs`, in passes of at most ``max_batch`` envs: a device sized to
+        that never gets more, whatever one request holds (up to num_envs: an actor's last values)."""
         obs = torch.cat([r.obs for r in reqs]).to(self.loader.device)
+        if obs.shape[0] <= self.max_batch:
+            return self._pass(kind, obs)
+        parts = [self._pass(kind, obs[i:i + self.max_batch]) for i in range(0, obs.shape[0], self.max_batch)]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def _pass(self, kind: str, obs) -> dict[str, torch.Tensor]:
         td = TensorDict({keys.OBS: obs}, batch_size=[obs.shape[0]])
         if kind == "act":
             out = self.policy(td)
@@ -289,20 +297,12 @@ class InferenceServer:
                 continue
             why = f"the policy failed on its observations: {type(error).__name__}: {error}"[:500]
             self.stats.refuse("failed", r.route, f"actor {r.actor}, request {r.rid}: {why}")
-            self._reply_error(r.route, r.rid, why)
+            self._tell(r.route, error_reply(r.rid, why))
 
-    def _reply_busy(self, route: bytes, rid: int) -> None:
-        """Tell an actor its request found the queue full: it sends it again after a pause
-        (:data:`BUSY_RETRY_S`) instead of waiting for a reply that cannot come."""
+    def _tell(self, route: bytes, frames: list) -> None:
+        """Send a busy or an error reply (:func:`~actors.inference_requests.busy_reply`, ``error_reply``)."""
         try:
-            self.sock.send_multipart([route, *wire.encode_leaves([0], [], kind="busy", id=rid)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:   # the actor is gone or its queue is full: its request is counted already
-            pass
-
-    def _reply_error(self, route: bytes, rid: int, why: str) -> None:
-        try:
-            self.sock.send_multipart([route, *wire.encode_leaves([0], [], kind="error", id=rid, why=why[:500])],
-                                     flags=zmq.NOBLOCK)
+            self.sock.send_multipart([route, *frames], flags=zmq.NOBLOCK)
         except zmq.ZMQError:   # the actor is gone or its queue is full: its request is counted already
             pass
 
@@ -323,7 +323,7 @@ class InferenceServer:
                    f"({type(error).__name__}: {error})")[:500]
             for r in reqs:
                 self.stats.refuse("failed", r.route, f"actor {r.actor}, request {r.rid}: {why}")
-                self._reply_error(r.route, r.rid, why)
+                self._tell(r.route, error_reply(r.rid, why))
             raise error
 
 

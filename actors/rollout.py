@@ -286,12 +286,24 @@ class Collector:
         torch.logical_or(out[keys.TERMINATED], out[keys.TRUNCATED], out=done_b)
         if self.with_value:
             val_b, nval_b = out[keys.VALUE], out[keys.NEXT_VALUE]
-            last = self.policy.get_value(TensorDict({keys.OBS: self.obs}, batch_size=[self.env.num_envs]))
+            last = self._values(self.obs)
             following = torch.cat([val_b[:, 1:], last.unsqueeze(1)], dim=1)
             nval_b.copy_(torch.where(done_b, nval_b, following))
         if self.bootstrap_obs:   # the observation after the last step, where that step did not end an episode
             open_end = ~done_b[:, -1]
             out[keys.BOOTSTRAP_OBS][open_end, -1] = self.obs[open_end]
+
+    def _values(self, obs: torch.Tensor) -> torch.Tensor:
+        """V(`obs`) of every env; with env parts one request per part, all in flight at once: a server's
+        forward pass is sized to a part's request (``actors.server_max_batch``), not to all our envs."""
+        if not self.pipelined:
+            return self.policy.get_value(TensorDict({keys.OBS: obs}, batch_size=[obs.shape[0]]))
+        try:
+            asked = [self.policy.submit("value", TensorDict({keys.OBS: obs[sl]}, batch_size=[sl.stop - sl.start]))
+                     for sl in self.env.slices]
+            return torch.cat([self.policy.result(rid)[keys.VALUE] for rid in asked])
+        finally:
+            self.policy.cancel()     # nothing left in flight, replies taken or not (a stop while waiting)
 
     def _to_host(self, out: TensorDict, idx: int) -> None:
         """Copy a rollout assembled on the device into host storage `idx` (pinned), and wait for it."""

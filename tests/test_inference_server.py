@@ -314,6 +314,73 @@ def test_a_batch_is_served_once_every_actor_has_a_request_in_it(tmp_path):
         s.close()
 
 
+class _Sizes:
+    """The acting policy, recording the envs of every forward pass the server runs."""
+
+    def __init__(self, policy):
+        self.policy, self.sizes = policy, []
+
+    def __call__(self, td):
+        self.sizes.append(td.batch_size[0])
+        return self.policy(td)
+
+    def get_value(self, td):
+        self.sizes.append(td.batch_size[0])
+        return self.policy.get_value(td)
+
+
+def test_no_forward_pass_is_larger_than_server_max_batch_with_env_parts(tmp_path):
+    """actors.server_splits 2 and server_max_batch sized to one part: a rollout's last values (of
+    every env, for bootstrapping) were one request of all the actor's envs, one forward pass over the
+    cap, which fails on a device sized to it. Every pass keeps to the cap, and the values are the
+    ones a local copy gives."""
+    s = Served(tmp_path, num_actors=1, server_splits=2, server_max_batch=2)
+    env = EnvParts([make_env(ENV, 2), make_env(ENV, 2)])
+    try:
+        s.weights.publish(s.learner, 0)
+        s.server.policy = sizes = _Sizes(s.policy)
+        s.start()
+        remote = s.remote(0)
+        sent, submit = [], remote.submit
+        remote.submit = lambda kind, td: sent.append((kind, td.batch_size[0])) or submit(kind, td)
+        col = Collector(env, remote, num_steps=6, seed=1)
+        td, _, _ = col.collect(version=-1)
+        assert sizes.sizes and max(sizes.sizes) <= 2, sizes.sizes
+        assert sent[-2:] == [("value", 2), ("value", 2)], sent     # the last values: a request per part
+        local = s.local({k: v.clone() for k, v in s.learner.state_dict().items()})
+        with torch.no_grad():
+            last = local.get_value(TensorDict({keys.OBS: col.obs}, batch_size=[4]))
+        open_end = ~td[keys.DONE][:, -1]
+        torch.testing.assert_close(td[keys.NEXT_VALUE][open_end, -1], last[open_end], rtol=1e-5, atol=1e-5)
+    finally:
+        env.close()
+        s.close()
+
+
+def test_a_request_larger_than_server_max_batch_is_served_in_passes_of_at_most_that(tmp_path):
+    """The server's own bound, whatever its actors send: a request of all num_envs envs (the checker
+    takes up to that many) with server_max_batch at half of them runs as two passes, and its reply
+    is what one pass would have given."""
+    s = Served(tmp_path, server_splits=2, server_max_batch=2)
+    try:
+        s.weights.publish(s.learner, 0)
+        s.server.policy = sizes = _Sizes(s.policy)
+        s.start()
+        remote, td = s.remote(0), _obs(4, seed=5)
+        got = remote.get_value(td)
+        acted = remote(td)
+        assert sizes.sizes == [2, 2, 2, 2], sizes.sizes
+        local = s.local({k: v.clone() for k, v in s.learner.state_dict().items()})
+        with torch.no_grad():
+            torch.testing.assert_close(got, local.get_value(td), rtol=1e-5, atol=1e-5)
+            logp, _, value = local.evaluate_actions(TensorDict({keys.OBS: td[keys.OBS], keys.ACTION: acted[keys.ACTION]},
+                                                               batch_size=[4]))
+        torch.testing.assert_close(acted[keys.LOG_PROB], logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(acted[keys.VALUE], value, rtol=1e-5, atol=1e-5)
+    finally:
+        s.close()
+
+
 def test_env_parts_step_as_one_env_of_all_their_envs():
     parts, whole = EnvParts([make_env(ENV, 1), make_env(ENV, 3)]), make_env(ENV, 4)
     try:
