@@ -222,7 +222,7 @@ def test_stale_values_are_recomputed_by_default(tmp_path, monkeypatch, setting):
     bootstrap observation)."""
     from learner.advantages import compute_gae
     from learner.advantages import current_values
-    cfg, learner = _vla_learner(tmp_path, recompute_values=setting)
+    cfg, learner = _vla_learner(tmp_path, recompute_values=setting, correction="none")   # GAE's values alone
     n, t = cfg.actors.num_envs, cfg.trainer.buffer_size
     fresh, meta = _rollout(cfg, learner, torch.zeros(n, t, dtype=torch.int64))
     seen, stats = _gae_of_update(learner, fresh, meta, monkeypatch)   # version 0 data at version 0
