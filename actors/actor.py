@@ -135,7 +135,6 @@ class Actor:
     _new_version = property(lambda self: self.loader.new_version,
                             lambda self, v: setattr(self.loader, "new_version", v))
     _received_at = property(lambda self: self.loader.received_at)
-    gate = property(lambda self: self.loader.gate)
 
     @property
     def _incoming(self):
@@ -285,7 +284,7 @@ class Actor:
 
     def _step_served(self) -> bool:
         """:meth:`step_once` with an inference server acting: the versions come with its replies
-        (standard mode asks it for one newer than our last rollout's; lag_policy pace for the newest
+        (standard mode asks it for the version the learner trains next; lag_policy pace for the newest
         the learner announced, which the credit allowing this rollout names)."""
         if not self._poll(0) or (self.pace and not self._wait_for_credit()):
             return False
@@ -312,21 +311,22 @@ class Actor:
         if self.incarnation is not None and r.incarnation != self.incarnation:   # the learner restarted
             self.credits.restart(self.seq)
         self.loader.version, self.loader.incarnation = r.version, r.incarnation
-        self._last_acted = r.version   # the last reply's: a rollout across a learner restart mixes two lives
+        # standard mode: a rollout of several versions (new weights mid-rollout) the learner drops as
+        # stale, and trains next on the newest's data: ask for that one again, not the one after
+        whole = bool(rollout[keys.POLICY_VERSION].eq(r.version).all())
+        self._last_acted = r.version if whole else r.version - 1
         self._synced, r.synced = r.synced, []
         return self._send(rollout, stats, index)
 
     def run(self) -> int:
-        if self.remote is not None:
+        if self.remote is not None:   # the server's replies bring the weights: nothing to wait for here
             log.info("actor %d: acting through the inference server (%s), envs on %s", self.actor_id,
                      self.remote.path, self.env_device)
-            while not self.stop_event.is_set() and self.step_once():
-                pass
+        elif self._wait_for_version(-1):
+            log.info("actor %d: running on %s%s with weights version %d", self.actor_id, self.device,
+                     f" (envs on {self.env_device})" if self.env_device != self.device else "", self.version)
+        else:
             return 1 if self.failed else 0
-        if not self._wait_for_version(-1):
-            return 1 if self.failed else 0
-        log.info("actor %d: running on %s%s with weights version %d", self.actor_id, self.device,
-                 f" (envs on {self.env_device})" if self.env_device != self.device else "", self.version)
         while not self.stop_event.is_set() and self.step_once():
             pass
         return 1 if self.failed else 0

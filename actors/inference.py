@@ -18,9 +18,10 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   learner's versions, the frozen base checked); every reply carries the version that acted, which
   the collector stamps on that step, so per-sample versions, lag accounting, corrections and the
   staleness report see exactly what acted. An actor asks for a minimum version at the start of a
-  rollout (``min_version``, with the learner life it counts in): in standard mode one newer than
-  its last rollout's; under ``lag_policy: pace`` the newest the learner has announced, as a local
-  actor loads it before a rollout, unless a study knob holds weights back (otherwise the server's
+  rollout (``min_version``, with the learner life it counts in): in standard mode the one the
+  learner trains next (one newer than its last rollout's, or that rollout's newest when it mixed
+  versions and is dropped as stale); under ``lag_policy: pace`` the newest the learner has
+  announced, as a local actor loads it before a rollout, unless a study knob holds weights back (otherwise the server's
   load delay added a version of lag, past pace's bound). The server holds that request until it has
   such a version, or any version of another life (a resumed learner's); a paced request names the
   life its credit came from (``same_life``) and is held for that life's weights, for at most

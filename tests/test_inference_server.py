@@ -620,6 +620,49 @@ def test_a_paced_actor_with_weights_held_back_on_purpose_acts_with_what_the_serv
         served.close()
 
 
+def test_a_standard_mode_actor_whose_rollout_mixed_two_versions_acts_next_with_the_newer(tmp_path):
+    """Standard mode: the server took v1 in the middle of a rollout, which the learner drops (it
+    trains v1 on v1's data only). The actor's next rollout asks for v1, the version the learner trains
+    next, not v2: it used to wait for v2, sitting out the update (or timing out where every actor
+    did). After a rollout of v1 alone it asks for v2 again."""
+    from actors.actor import Actor
+    from tests.test_learner_component import CaptureSink
+    cfg = config_from_dict({"env": {"id": ENV}, "trainer": {"buffer_type": "standard", "buffer_size": 8},
+                            "algorithm": {"name": "ppo", "cfg": {"batch_size": 32}},
+                            "actors": {"num_actors": 1, "num_envs": 4, "inference": "server"}}, source="test")
+    served = Served(tmp_path, num_actors=1)
+    served.weights.publish(served.learner, 0)
+    served.start()
+    remote, sink = served.remote(0, timeout_s=3.0), CaptureSink()
+    acts, submit = [0], remote.submit
+
+    def publishing_submit(kind, td):     # v1 comes after the rollout's third action
+        acts[0] += kind == "act"
+        if acts[0] == 3 and kind == "act":
+            served.weights.publish(served.learner, 1)
+        return submit(kind, td)
+    remote.submit = publishing_submit
+    actor = Actor(cfg, 0, Weights(), sink, remote=remote, lock_dir=tmp_path)
+    try:
+        assert actor.step_once()
+        mixed = sink.messages[-1][0][keys.POLICY_VERSION]
+        assert int(mixed.min()) == 0 and int(mixed.max()) == 1, mixed
+        t0 = time.monotonic()
+        assert actor.step_once(), "the actor waited for v2 after its mixed rollout"
+        assert time.monotonic() - t0 < 2.0 and sink.messages[-1][0][keys.POLICY_VERSION].eq(1).all()
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("ok", actor.step_once()))
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive() and len(sink.messages) == 2          # held for v2: v1's data is sent
+        served.weights.publish(served.learner, 2)
+        t.join(timeout=10)
+        assert done.get("ok") and sink.messages[-1][0][keys.POLICY_VERSION].eq(2).all()
+    finally:
+        actor.close()
+        served.close()
+
+
 def test_a_version_asked_of_one_learner_life_is_met_by_any_version_of_the_next(served):
     """A restarted learner resumes at its checkpoint's version, lower than what the actors acted
     with: a standard-mode request for the next version of the old life is served by the new life's
