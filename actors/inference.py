@@ -32,6 +32,9 @@ GPU, and N calls a round where one batched call costs about the same. With ``ser
   actors is told why), and the queue of requests waiting for a batch is bounded
   (``actors.server_queue``: a request past it is answered "busy" and its actor sends it again);
   CURVE applies to its socket where the run uses it;
+- it serves the actors of its own host: its ZeroMQ socket is bound to loopback (127.0.0.1), beside
+  its Unix socket (:mod:`actors.unix_channel`); actors on another host run a server of their own
+  there (or local copies);
 - the server writes ``inference/server_<id>.json`` (endpoint and incarnation) in the run directory;
   a restarted server binds the same port when it can and writes a new incarnation, and an actor
   waiting on it re-sends its request to the new one.

@@ -6,9 +6,10 @@ ZeroMQ passes every message through an I/O thread on each side: a round trip wak
 a Unix socket wakes two. On a loaded 2-core host a round trip took 240-340 us through ZeroMQ over
 loopback and 100-120 us through a Unix socket (4 clients, one busy process beside them), and each
 wake-up is CPU taken from the learner. The messages are the same wire frames (``shared/wire.py``);
-only the transport differs. Actors on another host (or without the socket file) use the server's
-ZeroMQ socket, which stays open; CURVE is for that one: the Unix socket lives in a directory only
-this user can enter.
+only the transport differs. An actor that cannot open the socket file uses the server's ZeroMQ
+socket, which stays open; CURVE is for that one: the Unix socket lives in a directory only this user
+can enter. Both are for the actors of the server's own host (the ZeroMQ socket is bound to loopback,
+127.0.0.1): actors on another host run a server of their own there, or local copies.
 
 Framing on the stream: ``b"TDM1"``, the frame count (u32), each frame's length (u64), then the frames.
 A peer that breaks it (bad magic, too many frames, a message over the size limit) is dropped: the stream
@@ -199,7 +200,7 @@ class ServerChannels:
     comes as ``[route, *frames]`` with a route of its own; a reply to that route goes back on it.
 
     Args:
-        router: the server's ZeroMQ ROUTER (remote actors, CURVE).
+        router: the server's ZeroMQ ROUTER (on loopback: this host's actors without the Unix socket, CURVE).
         path: where to listen (:func:`socket_path`); its directory is made private to this user.
         max_bytes: the largest request (the server's :class:`RequestChecker` limit).
         on_broken: called with (route, why) when a peer's stream breaks the framing (it is dropped).
@@ -274,7 +275,7 @@ class ServerChannels:
         return bool(self.ready) or router_ready
 
     def recv_multipart(self, copy: bool = False) -> list:
-        # Unix messages first, but after a turn's worth of them a waiting ZeroMQ one (remote actors):
+        # Unix messages first, but after a turn's worth of them a waiting ZeroMQ one (an actor on ZeroMQ):
         # local connections that keep sending cannot hold them back
         if self.ready and (self._since_router < TAKE_PER_POLL or not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN):
             self._since_router += 1
