@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:          # for `shared`, `actors`, `learner` in the scripts and their workers
     sys.path.insert(0, str(ROOT))
 
-from learner.logs import read_jsonl  # noqa: E402  (needs ROOT on sys.path)
+from shared.run_dir import RunDir, RunDirError  # noqa: E402  (needs ROOT on sys.path)
 
-__all__ = ["ROOT", "BenchmarkError", "child_env", "group_members", "machine_info", "raise_on_signal", "read_jsonl",
-           "run_launcher", "start_launcher", "stop_launcher", "tail"]
+__all__ = ["ROOT", "BenchmarkError", "RunDir", "child_env", "finished_run", "group_members", "machine_info",
+           "raise_on_signal", "run_launcher", "start_launcher", "stop_launcher", "tail"]
 
 LAUNCHER = ROOT / "launch" / "run_local.sh"
 STOP_TIMEOUT_S = 15.0                  # SIGTERM -> SIGKILL grace; the launcher itself needs up to ~10 s
@@ -38,6 +38,19 @@ def child_env(launcher_python: bool = False) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def finished_run(run_dir: Path, label: str) -> tuple[RunDir, dict]:
+    """A finished run's directory (read through :class:`RunDir`) and its ``summary.json``;
+    BenchmarkError naming `label` and the file when there is none or it is malformed."""
+    try:
+        run = RunDir(run_dir)
+        summary = run.summary()
+    except RunDirError as e:
+        raise BenchmarkError(f"{label}: {e}") from None
+    if summary is None:
+        raise BenchmarkError(f"{label}: no summary.json in {run_dir} (the run did not finish)")
+    return run, summary
 
 
 def tail(path: Path, n: int = 15) -> str:

@@ -106,7 +106,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from _common import (LAUNCHER, ROOT, BenchmarkError, child_env,  # noqa: E402
-                     raise_on_signal, read_jsonl, stop_launcher, tail, write_results)
+                     raise_on_signal, finished_run, stop_launcher, tail, write_results)
 
 DEFAULT_CONFIG = ROOT / "configs" / "cartpole_ppo.json"
 TARGET_VS_STANDARD = 3.0               # vla-4 / standard-1 should be at least this
@@ -259,17 +259,14 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
             print(f"[async] {label}: {note}", flush=True)
         if notes:
             res.extra["stop_notes"] = notes
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise BenchmarkError(f"{label}: no readable summary.json in {run_dir}: {e}") from None
+    run, summary = finished_run(run_dir, label)
     res.learner_wall_s = summary.get("wall_s")
     res.env_steps = summary.get("env_steps")
     res.updates = summary.get("updates")
     res.dropped_lag = summary.get("dropped_lag")
     res.overwritten = summary.get("overwritten")
     res.eval_return = summary.get("last_eval/return_mean")
-    versions = read_jsonl(run_dir / "versions.jsonl")
+    versions = run.versions(missing_ok=True)
     lags = [v["lag"] for v in versions if v.get("event") == "consume" and isinstance(v.get("lag"), int)]
     if lags:
         res.lag_mean, res.lag_max = sum(lags) / len(lags), max(lags)
@@ -279,7 +276,7 @@ def run_process_variant(name: str, args, run_dir: Path) -> Result:
         res.startup_s = first - t_start_wall
         if publishes:
             res.window_s = max(publishes) - first
-    updates = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in m]
+    updates = [m for m in run.metrics(missing_ok=True) if "perf/update_s" in m]
     if updates:
         res.update_s_mean = sum(m["perf/update_s"] for m in updates) / len(updates)
         res.update_total_s = summary.get("time/update_wall_s", sum(m["perf/update_s"] for m in updates))

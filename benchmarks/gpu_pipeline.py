@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, BenchmarkError, machine_info, read_jsonl, run_launcher  # noqa: F401
+from _common import ROOT, BenchmarkError, RunDir, finished_run, machine_info, run_launcher  # noqa: F401
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
@@ -246,7 +246,7 @@ def _launcher_rate(raw: dict, label: str, buffer_type: str, transport: str, weig
     path.write_text(json.dumps(raw))
     run_dir = work / path.stem
     wall, notes = run_launcher(["--config", str(path)], run_dir, timeout_s, f"launcher {label}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = finished_run(run_dir, f"launcher {label}")[1]
     return {"env_steps": summary["env_steps"], "launcher_wall_s": wall, "learner_wall_s": summary["wall_s"],
             **run_rates(run_dir, raw["actors"]["num_actors"]), "stop_notes": notes}
 
@@ -261,11 +261,12 @@ def run_rates(run_dir: Path, num_actors: int) -> dict:
     and ``overlap`` = sps / bound (1 = collection and update fully overlapped, nothing else costs).
     Both times are measured while the two run side by side, so each is slowed by the other and this
     bound is lower than the uncontended one (:func:`_serial_rate`; ``overlap_uncontended`` in part 2)."""
-    pubs = [e for e in read_jsonl(run_dir / "versions.jsonl") if e.get("event") == "publish" and e.get("version", 0) >= 1]
+    run = RunDir(run_dir)
+    pubs = [e for e in run.versions("publish", missing_ok=True) if e.get("version", 0) >= 1]
     if len(pubs) < 2:
         raise BenchmarkError(f"{run_dir}: {len(pubs)} updates published, too few for a steady rate")
     sps = (pubs[-1]["env_steps"] - pubs[0]["env_steps"]) / max(pubs[-1]["time"] - pubs[0]["time"], 1e-9)
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "perf/update_s" in r][1:]
+    rows = [r for r in run.metrics(missing_ok=True) if "perf/update_s" in r][1:]
     out = {"sps": sps, "updates_timed": len(pubs) - 1}
     if len(rows) >= 2:
         per_update = [(b["perf/total/collect_wall_s"] - a["perf/total/collect_wall_s"])
@@ -314,8 +315,8 @@ def part_warp(args, device: torch.device, mode: str) -> dict:
         run_dir = Path(tmp) / "warp"
         args_ = ["--config", str(ROOT / "configs/mjwarp_halfcheetah_ppo.json")] + [x for s in sets for x in ("--set", s)]
         wall, _ = run_launcher(args_, run_dir, args.timeout, "mjwarp")
-        summary = json.loads((run_dir / "summary.json").read_text())
-        train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/episode_return" in r]
+        run, summary = finished_run(run_dir, "mjwarp")
+        train = [r for r in run.metrics(missing_ok=True) if "train/episode_return" in r]
         rates = run_rates(run_dir, 1)
     row = {"env_steps": summary["env_steps"], "learner_wall_s": summary["wall_s"], "launcher_wall_s": wall,
            **rates, "anchor_sps": MJLAB_ANCHOR,

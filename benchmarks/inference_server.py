@@ -63,8 +63,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (BenchmarkError, machine_info, raise_on_signal, start_launcher, stop_launcher,  # noqa: E402
-                     tail)
+from _common import (BenchmarkError, finished_run, machine_info, raise_on_signal, start_launcher,  # noqa: E402
+                     stop_launcher, tail)
 
 import psutil  # noqa: E402
 
@@ -217,7 +217,7 @@ def one_run(args, actors: int, mode: str, out_dir: Path) -> dict:
     finally:
         stop_launcher(p)
     wall = time.monotonic() - t0
-    s = json.loads((run_dir / "summary.json").read_text())
+    s = finished_run(run_dir, f"{mode} x{actors}")[1]
     window = s["last_rollout_time"] - s["first_rollout_time"]
     row = {"mode": mode, "actors": actors, "envs": actors * args.num_envs, "wall_s": wall, "window_s": window,
            "env_steps": s["env_steps"], "sps": s["env_steps"] / window if window > 0 else None,

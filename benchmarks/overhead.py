@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import (ROOT, BenchmarkError, child_env, raise_on_signal, read_jsonl,  # noqa: E402
+from _common import (ROOT, BenchmarkError, RunDir, child_env, raise_on_signal,  # noqa: E402
                      stop_process_groups, tail, write_results)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
@@ -281,7 +281,8 @@ def learner_window(points: list[tuple[float, float]], start_steps: float) -> tup
 def _training_stats(run_dir: Path, start_steps: float) -> dict:
     """Learner-side figures of a training run, from metrics.jsonl (one line per update) and
     summary.json, over the updates logged at or past `start_steps` received env steps."""
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")
+    run = RunDir(run_dir)
+    rows = [r for r in run.metrics(missing_ok=True)
             if "perf/samples_per_update" in r and r.get("env_steps", 0) >= start_steps]
     out: dict = {}
     if len(rows) >= 2 and rows[-1]["time"] > rows[0]["time"]:
@@ -293,12 +294,9 @@ def _training_stats(run_dir: Path, start_steps: float) -> dict:
         lags = [r["lag/mean"] for r in later if r.get("lag/mean") is not None]
         if lags:
             out["lag_mean"] = sum(lags) / len(lags)
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        out.update({k: summary[k] for k in ("updates", "version", "rollouts", "dropped_lag", "overwritten",
-                                            "malformed", "rejected") if k in summary})
-    except (OSError, json.JSONDecodeError):
-        pass
+    summary = run.summary() or {}     # a phase stopped before the end has none
+    out.update({k: summary[k] for k in ("updates", "version", "rollouts", "dropped_lag", "overwritten",
+                                        "malformed", "rejected") if k in summary})
     return out
 
 

@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from _common import ROOT, child_env, raise_on_signal, start_launcher, stop_launcher, tail
-from learner.checkpoint import list_checkpoints
+from _common import ROOT, RunDir, child_env, finished_run, raise_on_signal, start_launcher, stop_launcher, tail
 
 FIRST, HELD_OUT = 1_000_003, 2_000_003
 POLL_S = 0.5
@@ -154,11 +153,11 @@ def _train_all(a: argparse.Namespace, variants: list[tuple[str, list[str]]], see
         d = _run_dir(a, label, seed)
         note = "".join(f"; {n}" for n in notes)
         if code == 0:
-            learner_wall = json.loads((d / "summary.json").read_text()).get("wall_s")
+            learner_wall = finished_run(d, f"{label} seed {seed}")[1].get("wall_s")
             runs[(label, seed)] = {"launcher_wall_s": wall, "learner_wall_s": learner_wall}
             print(f"[reach_gains] {label} seed {seed}: trained in {wall:.0f} s (learner {learner_wall:.0f} s){note}",
                   flush=True)
-        elif code is None and list_checkpoints(d / "checkpoints"):
+        elif code is None and d.is_dir() and RunDir(d).checkpoints():
             # stopped by --timeout-s: the learner wrote a final checkpoint on SIGTERM; measured, marked
             runs[(label, seed)] = {"stopped": True, "launcher_wall_s": wall}
             print(f"[reach_gains] {label} seed {seed}: stopped at the {a.timeout_s:.0f} s limit; its last "

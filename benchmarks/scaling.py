@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import ROOT, BenchmarkError, machine_info, raise_on_signal, read_jsonl, run_launcher  # noqa: E402
+from _common import ROOT, BenchmarkError, finished_run, machine_info, raise_on_signal, run_launcher  # noqa: E402
 from weights_broadcast import memcpy_seconds, parse_count, run_one  # noqa: E402
 
 
@@ -45,10 +45,8 @@ def measure(config: Path, ranks: int, actors: int, steps: int, run_dir: Path, ti
         args += ["--set", s]
     label = f"{ranks} rank(s) x {actors} actor(s)"
     wall, notes = run_launcher(args, run_dir, timeout_s, label)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    events = [e for name in ["versions.jsonl", *[f"versions.rank{r}.jsonl" for r in range(1, ranks)]]
-              for e in read_jsonl(run_dir / name)]
-    rollouts = [e for e in events if e.get("event") in ("consume", "drop")]
+    run, summary = finished_run(run_dir, label)
+    rollouts = [e for r in range(ranks) for e in run.versions(("consume", "drop"), rank=r, missing_ok=True)]
     consumed = [e for e in rollouts if e["event"] == "consume"]
     received = [e.get("received") for e in rollouts if isinstance(e.get("received"), (int, float))]
     if len(received) < 2:

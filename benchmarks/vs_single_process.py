@@ -65,7 +65,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import (ROOT, BenchmarkError, child_env, machine_info, raise_on_signal, read_jsonl, run_launcher,
+from _common import (ROOT, BenchmarkError, child_env, finished_run, machine_info, raise_on_signal, run_launcher,
                      tail)
 
 DEFAULT_CONFIG = ROOT / "configs" / "halfcheetah_ppo.json"
@@ -294,8 +294,8 @@ def run_tandem(variant: str, args, seed: int, run_dir: Path) -> Run:
     for s in [*args.sets, *sets]:
         launch += ["--set", s]
     total, notes = run_launcher(launch, run_dir, args.timeout, f"{variant} seed {seed}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/updates" in r]
+    run_files, summary = finished_run(run_dir, f"{variant} seed {seed}")
+    rows = [r for r in run_files.metrics(missing_ok=True) if "train/updates" in r]
     lags = [r["lag/mean"] for r in rows if r.get("lag/mean") is not None]
     train_s = rows[-1]["time"] - summary["start_time"] if rows else None   # to the last update's line
     run = Run(variant, seed, train_s=train_s, total_s=total,

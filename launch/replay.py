@@ -36,27 +36,12 @@ from learner.logs import RunLogger  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ConfigError, load_config, save_config  # noqa: E402
 from shared.policies import weights_digest  # noqa: E402
+from shared.run_dir import RunDir, RunDirError  # noqa: E402
 
 
-class ReplayError(RuntimeError):
-    """The record is missing or inconsistent; the message names the file."""
-
-
-def read_index(record_dir: Path) -> list[dict]:
-    index = record_dir / "index.jsonl"
-    if not index.is_file():
-        raise ReplayError(f"{index}: no record index (was the run started with --record?)")
-    entries = []
-    for n, line in enumerate(index.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if n == len(index.read_text().splitlines()):
-                break   # a run killed while writing its last line
-            raise ReplayError(f"{index}:{n}: not JSON: {e}") from e
-    return entries
+class ReplayError(RunDirError):
+    """The record is missing or inconsistent; the message names the file. The reader's own errors
+    (a missing or malformed file) are RunDirError, this class's base."""
 
 
 def _infos(entry: dict, data: TensorDict) -> list[dict]:
@@ -70,27 +55,6 @@ def _infos(entry: dict, data: TensorDict) -> list[dict]:
                       "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": 0,
                       "episode_length_mean": None, "received": None, "sent": None})
     return infos
-
-
-def read_threads(record_dir: Path) -> dict[int, list[int]]:
-    """``record/threads.jsonl``: per update, the intra-op threads of each of its minibatches (a run
-    with ``learner.torch_threads: "idle"``); empty when the record has none."""
-    path = Path(record_dir) / "threads.jsonl"
-    out: dict[int, list[int]] = {}
-    if not path.is_file():
-        return out
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            entry = json.loads(line)
-            runs = entry["threads"]
-            if not (isinstance(entry["update"], int) and isinstance(runs, list)
-                    and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and x >= 1 for x in r)
-                            for r in runs)):
-                raise ValueError("not {update: int, threads: [[threads, count], ...]}")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ReplayError(f"{path}:{n}: {e}") from None
-        out[entry["update"]] = [t for t, count in runs for _ in range(count)]
-    return out
 
 
 def inexact_reason(cfg, record_dir: Path | None = None) -> str | None:
@@ -121,22 +85,20 @@ def warn_inexact(run_dir: Path, why: str | None) -> bool:
 def replay(run_dir: Path, overrides: list[str] | None = None, out_dir: Path | None = None,
            max_updates: int | None = None, progress: bool = False) -> Learner:
     """Retrain on `run_dir`'s record; returns the learner after the last replayed update."""
-    run_dir = Path(run_dir)
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise ReplayError(f"{config_path}: not found (not a Tandem run directory?)")
+    run = RunDir(run_dir)
+    config_path = run.require("config.json")
     cfg = load_config(config_path, overrides or [])
-    warn_inexact(run_dir, inexact_reason(load_config(config_path), run_dir / "record"))
+    record_dir = run.path / "record"
+    warn_inexact(run.path, inexact_reason(load_config(config_path), record_dir))
     cfg.trainer.record = False
     cfg.learner.weights_transport = "zmq"       # nobody listens: no shared-memory ring
-    record_dir = run_dir / "record"
-    entries = read_index(record_dir)
+    entries = run.record_index()
     if entries and entries[0]["version"] != 0:
         raise ReplayError(f"{record_dir / 'index.jsonl'}: the record starts at version {entries[0]['version']} "
                           f"(a resumed run): replaying it from fresh weights would not be the same training")
     if max_updates is not None:
         entries = entries[:max_updates]
-    threads = read_threads(record_dir)
+    threads = run.record_threads()
     torch.set_num_threads(learner_threads(cfg))   # as the learner process: same float sums, same bits
     logger = None
     if out_dir is not None:
@@ -177,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         learner = replay(args.run_dir, args.sets, args.out, args.updates, progress=True)
-    except (ReplayError, ConfigError) as e:
+    except (RunDirError, ConfigError) as e:
         print(f"replay.py: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"updates": learner.updates, "version": learner.version,

@@ -42,14 +42,16 @@ from shared import keys  # noqa: E402
 from shared.config import ConfigError, load_config  # noqa: E402
 from shared.envs import make_env  # noqa: E402
 from shared.instructions import instruction_tokenizer  # noqa: E402
+from shared.run_dir import RunDir, RunDirError  # noqa: E402
 
 
 def record_mean_lag(run_dir: Path) -> float:
     """The mean lag of every sample the run trained on, from its record (version at the update
     minus the version that acted)."""
+    run = RunDir(run_dir)
     total = count = 0
-    for entry in replay_tool.read_index(run_dir / "record"):
-        versions = TensorDict.load_memmap(run_dir / "record" / entry["dir"])[keys.POLICY_VERSION]
+    for entry in run.record_index():
+        versions = TensorDict.load_memmap(run.path / "record" / entry["dir"])[keys.POLICY_VERSION]
         total += float((entry["version"] - versions).double().sum())
         count += versions.numel()
     return total / max(count, 1)
@@ -103,16 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[replay] {run.name}: every correction done before, kept", flush=True)
             continue
         try:
-            cfg = load_config(run / "config.json")
+            cfg = load_config(RunDir(run).require("config.json"))
             lag = record_mean_lag(run)
-        except (ConfigError, replay_tool.ReplayError, OSError) as e:
+        except (ConfigError, RunDirError, OSError) as e:
             print(f"replay_corrections.py: {run}: {e}", file=sys.stderr)
             return 2
         for corr in todo:
             t0 = time.time()
             try:
                 learner = replay_tool.replay(run, [f"algorithm.cfg.correction={corr}", *args.sets])
-            except (ConfigError, replay_tool.ReplayError) as e:
+            except (ConfigError, RunDirError) as e:
                 print(f"replay_corrections.py: {run}: {e}", file=sys.stderr)
                 return 2
             ret = evaluate_final(learner, args.episodes, args.eval_seed)

@@ -2,13 +2,14 @@
 
     python launch/summarize.py outputs/cartpole_ppo/20261122-150000 [RUN_DIR ...] [--at 200000 500000]
 
-Reads only ``metrics.jsonl``, ``versions.jsonl`` and ``summary.json`` (what every run writes).
+Reads only ``metrics.jsonl``, ``versions.jsonl`` and ``summary.json`` (what every run writes), through
+``shared/run_dir.py``: a truncated last line is skipped, any other malformed line is an error naming the
+file and line (exit status 2, after the other runs are printed).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,16 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from learner.logs import read_jsonl  # noqa: E402
+from shared.run_dir import RunDir, RunDirError  # noqa: E402
 
 
-def summarize(run: Path, at: list[int], threshold: float | None) -> str:
-    metrics = read_jsonl(run / "metrics.jsonl")
-    versions = read_jsonl(run / "versions.jsonl")
+def summarize(path: Path, at: list[int], threshold: float | None) -> str:
+    run = RunDir(path)
+    metrics = run.metrics(missing_ok=True)
+    versions = run.versions(missing_ok=True)
     updates = [m for m in metrics if "loss/policy" in m]
     evals = [m for m in metrics if "eval/return_mean" in m]
     start = min((v["time"] for v in versions if v.get("event") == "publish"), default=None)
-    out = [f"== {run}"]
+    out = [f"== {path}"]
     if evals:
         out.append("  env_steps   wall_s   eval_return")
         for e in evals:
@@ -55,23 +57,28 @@ def summarize(run: Path, at: list[int], threshold: float | None) -> str:
         upd = sum(u.get("perf/update_s", 0) for u in updates)
         out.append(f"  {len(updates)} updates: {upd:.1f} s updating, {wait:.1f} s waiting for data "
                    f"({100 * wait / max(wait + upd, 1e-9):.0f}% of the learner's time)")
-    summary = run / "summary.json"
-    if summary.exists():
-        s = json.loads(summary.read_text())
+    s = run.summary()
+    if s is not None:
         out.append(f"  summary: {s.get('env_steps')} env steps, version {s.get('version')}, wall {s.get('wall_s', 0):.1f} s, "
                    f"exit {s.get('exit_code')}")
     return "\n".join(out)
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--at", type=int, nargs="*", default=[], help="report the last evaluation at these env steps")
     p.add_argument("--threshold", type=float, help="report the first evaluation reaching this return")
     args = p.parse_args()
+    status = 0
     for run in args.runs:
-        print(summarize(run, args.at, args.threshold))
+        try:
+            print(summarize(run, args.at, args.threshold))
+        except RunDirError as e:   # a missing directory, a malformed line (file:line): the other runs still print
+            print(f"summarize.py: {e}", file=sys.stderr)
+            status = 2
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

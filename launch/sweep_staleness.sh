@@ -53,6 +53,13 @@ mkdir -p "$OUT"
 max_sync=1; for k in $SYNCS; do (( k > max_sync )) && max_sync=$k; done
 max_lag=$(( 8 * max_sync + 64 ))   # nothing is dropped for lag: the lag is the controlled variable
 
+PY="$ROOT/.venv/bin/python"; [[ -x "$PY" ]] || PY=python3
+# a finished run's last evaluation, read from its summary.json by shared/run_dir.py
+last_return() {
+  PYTHONPATH="$ROOT" "$PY" -c 'import sys; from shared.run_dir import RunDir
+print((RunDir(sys.argv[1]).summary() or {}).get("last_eval/return_mean"))' "$1" 2>&1 | tail -1
+}
+
 stopping=0
 trap 'stopping=1' INT TERM
 runs=(); labels=(); failed=0
@@ -80,12 +87,11 @@ for seed in $SEEDS; do for k in $SYNCS; do for d in $DELAYS; do for c in $CORREC
   if [[ $rc -ne 0 ]]; then
     echo "[sweep] $label failed (exit $rc); see $OUT/$label.log" >&2; failed=1
   else
-    echo "[sweep] $label done in $(( $(date +%s) - start )) s: $(grep -o '"last_eval/return_mean": *[-0-9.e]*' "$run/summary.json")"
+    echo "[sweep] $label done in $(( $(date +%s) - start )) s: last eval return $(last_return "$run")"
   fi
 done; done; done; done
 [[ $stopping -eq 1 ]] && { echo "[sweep] stopped" >&2; exit 130; }
 
-PY="$ROOT/.venv/bin/python"; [[ -x "$PY" ]] || PY=python3
 existing=(); existing_labels=()
 for i in "${!runs[@]}"; do
   [[ -d "${runs[$i]}" ]] && { existing+=("${runs[$i]}"); existing_labels+=("${labels[$i]}"); }

@@ -78,18 +78,3 @@ class RunLogger:
 def fmt_num(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else (f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}")
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Read a JSON-lines file written by :class:`JsonlWriter`; a missing file is empty, and the one
-    partial line a killed run can leave is skipped."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows

@@ -16,9 +16,10 @@ from tensordict import TensorDict
 
 from actors.actor import Actor
 from learner.learner import Learner, ListPublisher
-from learner.logs import RunLogger, read_jsonl
+from learner.logs import RunLogger
 from runners.serial import SerialRunner
 from shared import keys
+from shared.run_dir import RunDir, RunDirError
 from tests.test_learner_component import CaptureSink, PublisherSource, small_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +81,7 @@ def test_versions_jsonl_lag_numbers_match_the_versions_used(tmp_path):
     td, meta = _rollout(cfg, learner, old)
     learner.ingest(td, {**meta, "seq": 99})
     expected.append(("drop", [[learner.version, n * t]]))
-    lines = [x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] in ("consume", "drop")]
+    lines = RunDir(tmp_path).versions(("consume", "drop"))
     assert [x["event"] for x in lines] == [e for e, _ in expected]
     for line, (_, hist) in zip(lines, expected):
         assert sorted(line["lag_hist"]) == hist
@@ -90,7 +91,7 @@ def test_versions_jsonl_lag_numbers_match_the_versions_used(tmp_path):
         assert line["learner_version"] - line["policy_version"] == line["lag"]
     assert lines[-1]["reason"] == "lag"
     # the TensorBoard/metrics lag numbers are the same samples' numbers
-    metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "lag/mean" in m]
+    metrics = [m for m in RunDir(tmp_path).metrics() if "lag/mean" in m]
     for m, (_, hist) in zip(metrics, expected):
         lags = [lag for lag, c in hist for _ in range(c)]
         assert m["lag/mean"] == pytest.approx(sum(lags) / len(lags)) and m["lag/max"] == max(lags)
@@ -103,11 +104,11 @@ def test_sync_delay_is_publish_to_first_action(tmp_path):
     (version, received, acted), = meta["synced"]       # the actor reports the version it started with
     assert version == 0 and published <= received <= acted
     learner.ingest(td, meta)
-    sync = [x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] == "sync"]
+    sync = RunDir(tmp_path).versions("sync")
     assert len(sync) == 1 and sync[0]["delay_s"] == pytest.approx(acted - published)
     # ill-typed reports from a peer are ignored, never logged or fatal
     learner.intake.note_syncs(0, [["x", 1, 2], [0, "a", 1.0], [10**9, 1.0, 2.0], "junk"])
-    assert len([x for x in read_jsonl(tmp_path / "versions.jsonl") if x["event"] == "sync"]) == 1
+    assert len(RunDir(tmp_path).versions("sync")) == 1
 
 
 def test_delayed_weights_are_loaded_only_once_old_enough():
@@ -268,10 +269,10 @@ def test_record_replay_report_on_a_real_run(tmp_path):
            "--set", "learner.torch_threads=idle"]   # threads widened while the actors idle: recorded, replayed
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, start_new_session=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    index = replay_tool.read_index(run / "record")
-    consumed = [x for x in read_jsonl(run / "versions.jsonl") if x["event"] == "consume"]
+    index = RunDir(run).record_index()
+    consumed = RunDir(run).versions("consume")
     assert sum(len(e["rollouts"]) for e in index) == len(consumed) > 0
-    assert len(replay_tool.read_threads(run / "record")) == len(index)
+    assert len(RunDir(run).record_threads()) == len(index)
     first = replay_tool.replay(run)
     second = replay_tool.replay(run)
     digest = replay_tool.weights_digest(first.policy)
@@ -285,7 +286,7 @@ def test_record_replay_report_on_a_real_run(tmp_path):
     assert replay_tool.weights_digest(_Sd()) == digest     # the replay is the run, bit for bit
     other = replay_tool.replay(run, ["algorithm.cfg.correction=none"])
     assert replay_tool.weights_digest(other.policy) != digest
-    assert any(x["event"] == "sync" for x in read_jsonl(run / "versions.jsonl"))
+    assert RunDir(run).versions("sync")
     # every correction on this same record, final weights evaluated: one table row for the run's lag
     import replay_corrections
     assert replay_corrections.main([str(run), "--corrections", "none appo ewma", "--episodes", "3",
@@ -434,7 +435,7 @@ def test_replay_reads_the_recorded_threads_and_says_when_it_has_none(tmp_path):
     (record / "threads.jsonl").write_text('{"update": 1, "threads": [[2, 3], [1, 2]]}\n'
                                           '{"update": 2, "threads": [[1, 1]]}\n')
     assert replay_tool.inexact_reason(idle, record) is None
-    assert replay_tool.read_threads(record) == {1: [2, 2, 2, 1, 1], 2: [1]}
+    assert RunDir(tmp_path).record_threads() == {1: [2, 2, 2, 1, 1], 2: [1]}
     fixed = load_config(ROOT / "configs" / "halfcheetah_ppo.json", ["learner.torch_threads=1"])
     assert replay_tool.inexact_reason(fixed) is None
     # said once per record, however many replays of it a sweep runs (replay_corrections.py)
@@ -442,5 +443,5 @@ def test_replay_reads_the_recorded_threads_and_says_when_it_has_none(tmp_path):
     assert not replay_tool.warn_inexact(tmp_path / "other", None)
     for bad in ('{"update": 3, "threads": [[0, 1]]}', '{"update": 3}', "not json", '{"update": "3", "threads": []}'):
         (record / "threads.jsonl").write_text(bad + "\n")
-        with pytest.raises(replay_tool.ReplayError, match=r"threads.jsonl:1"):
-            replay_tool.read_threads(record)
+        with pytest.raises(RunDirError, match=r"threads.jsonl:1"):
+            RunDir(tmp_path).record_threads()
