@@ -15,6 +15,7 @@ SPEC = importlib.util.spec_from_file_location("staleness", ROOT / "launch" / "st
 staleness = importlib.util.module_from_spec(SPEC)
 sys.modules["staleness"] = staleness  # dataclasses look the module up while the class is created
 SPEC.loader.exec_module(staleness)
+import staleness_plots  # noqa: E402  (beside staleness.py, which put launch/ on sys.path)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,8 +90,9 @@ def table(report: str) -> dict[str, dict[str, str]]:
 
 
 def assert_figures(out: Path) -> None:
+    """Every figure is a PNG in ``out/figures/`` (the layout of docs/results/reports/*/)."""
     for name in FIGURES:
-        data = (out / name).read_bytes()
+        data = (out / "figures" / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
         assert len(data) > 5_000, name
 
@@ -104,7 +106,7 @@ def test_two_runs(tmp_path: Path) -> None:
     out = tmp_path / "report"
     written = staleness.write_report(runs, out)
     assert sorted(p.name for p in written) == sorted([*FIGURES, "report.md"])
-    assert all(p.parent == out for p in written)
+    assert written[-1] == out / "report.md" and all(p.parent == out / "figures" for p in written[:-1])
     assert_figures(out)
 
     report = (out / "report.md").read_text()
@@ -127,7 +129,7 @@ def test_two_runs(tmp_path: Path) -> None:
     assert "skipped 1 line(s) of versions.jsonl" in report
     assert "no sync events recorded" in report and "nothing dropped" in report
     for name in FIGURES:
-        assert f"]({name})" in report
+        assert f"](figures/{name})" in report
 
 
 def test_main_single_run_without_syncs_or_drops(tmp_path: Path) -> None:
@@ -219,12 +221,12 @@ def test_a_large_sweep_keeps_every_figure_within_the_pixel_cap(tmp_path: Path) -
     assert staleness.main([str(r) for r in runs] + ["--out", str(out)]) == 0
     sizes = {}
     for name in FIGURES:
-        head = (out / name).read_bytes()[:24]
+        head = (out / "figures" / name).read_bytes()[:24]
         sizes[name] = struct.unpack(">II", head[16:24])   # the PNG IHDR: width, height
-        assert sizes[name][0] * sizes[name][1] <= staleness.MAX_PIXELS * 1.01, (name, sizes[name])
-    assert sizes["lag_histogram.png"] == (8 * staleness.DPI, 5 * staleness.DPI)   # untouched by the cap
+        assert sizes[name][0] * sizes[name][1] <= staleness_plots.MAX_PIXELS * 1.01, (name, sizes[name])
+    assert sizes["lag_histogram.png"] == (8 * staleness_plots.DPI, 5 * staleness_plots.DPI)   # untouched by the cap
     tw, th = sizes["actor_throughput.png"]
-    assert tw * th > 0.9 * staleness.MAX_PIXELS                 # capped, not shrunk further
+    assert tw * th > 0.9 * staleness_plots.MAX_PIXELS                 # capped, not shrunk further
     assert 1.1 < th / tw < 1.5                                   # 4 columns x 10 rows of 5.5 x 2.8 in panels
 
 
@@ -242,7 +244,7 @@ def test_return_figures_draw_a_line_per_setting_over_seeds(tmp_path: Path) -> No
                         "env_steps": 100 * (j + 1) + seed, "time": T0 + j} for j in range(evals)]
             (d / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
             runs.append(staleness.load_run(d))
-    fig = staleness.plot_return_vs_steps(runs, staleness._run_colours(len(runs)))
+    fig = staleness_plots.plot_return_vs_steps(runs, staleness_plots.run_colours(len(runs)))
     ax = fig.axes[0]
     labelled = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
     assert set(labelled) == {"sync1_delay0_none (n=2)", "sync1_delay0_is (n=2)"}
@@ -251,6 +253,6 @@ def test_return_figures_draw_a_line_per_setting_over_seeds(tmp_path: Path) -> No
     np.testing.assert_allclose(none.get_ydata(), [10.0, 20.0, 30.0])  # mean of offsets 0 and 20, 3 evals each
     np.testing.assert_allclose(none.get_xdata(), [101.5, 201.5, 301.5])
     assert "over seeds" in ax.get_title()
-    single = staleness.plot_return_vs_steps(runs[:1] + runs[2:3], staleness._run_colours(2)).axes[0]
+    single = staleness_plots.plot_return_vs_steps(runs[:1] + runs[2:3], staleness_plots.run_colours(2)).axes[0]
     assert {line.get_label() for line in single.get_lines()} == {"sync1_delay0_none_s1", "sync1_delay0_is_s1"}
     assert "over episodes" in single.get_title()
