@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Start one Tandem run on this machine: the learner and N actors, each its own process.
 #
-#   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume] [--record]
-#                       [--no-eval] [--mps] [--set KEY=VALUE ...]
+#   launch/run_local.sh [--config FILE] [--actors N] [--steps S] [--out DIR] [--resume]
+#                       [--resume-from FILE] [--record] [--no-eval] [--mps] [--set KEY=VALUE ...]
 #
 # This help is the one list of the launcher's flags (the manual links here):
 #   --config FILE     the run's JSON config (default configs/cartpole_ppo.json)
@@ -10,7 +10,8 @@
 #   --steps S         env steps to train for (trainer.total_steps)
 #   --out DIR         the run directory (default <trainer.output_dir>/<trainer.exp_name>/<date-time>/)
 #   --resume          continue the run in --out (default: the newest run of this config) from its newest
-#                     checkpoint, exactly
+#                     intact checkpoint, exactly (damaged newer ones are skipped and named)
+#   --resume-from FILE  continue the run in --out from this checkpoint; no fallback if it is damaged
 #   --record          store every trained batch (trainer.record=true)
 #   --no-eval         start no evaluator process
 #   --mps             run the processes under CUDA MPS
@@ -36,7 +37,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="$ROOT/configs/cartpole_ppo.json"
-ACTORS=""; STEPS=""; OUT=""; RESUME=0; NO_EVAL=0; MPS=0; SETS=()
+ACTORS=""; STEPS=""; OUT=""; RESUME=0; RESUME_FROM=""; LAUNCH_MARK=""; NO_EVAL=0; MPS=0; SETS=()
 MAX_RESTARTS="${TANDEM_MAX_RESTARTS:-3}"
 
 usage() { sed -n '2,${/^#/!q;p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -47,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
+    --resume-from) RESUME=1; RESUME_FROM="$2"; shift 2 ;;
     --record) SETS+=("trainer.record=true"); shift ;;
     --no-eval) NO_EVAL=1; shift ;;
     --mps) MPS=1; shift ;;
@@ -103,6 +105,8 @@ fi
 OUT="${OUT%/}"
 mkdir -p "$OUT/logs"
 rm -f "$OUT/endpoints.json"   # a stale file from a crashed run would point actors at nothing
+LAUNCH_MARK="$OUT/logs/.launch_started"   # summary.json newer than this is this launch's
+touch "$LAUNCH_MARK"
 # The same for inference servers' endpoint files; their TensorBoard steps go on only across --resume.
 for f in "$OUT"/inference/server_*.json; do
   [[ $RESUME -eq 1 && "$f" == *.progress.json ]] || rm -f "$f"
@@ -242,7 +246,15 @@ on_signal() {
   STOPPING=1
   echo "[launch] $1: stopping the learner and $NUM_ACTORS actors"
   stop_all
+  report_summary
   exit "$2"
+}
+report_summary() {  # this launch's summary.json only: never one an earlier launch left in the run directory
+  if [[ -f "$OUT/summary.json" && "$OUT/summary.json" -nt "$LAUNCH_MARK" ]]; then
+    echo "[launch] summary: $(tr -d '\n ' < "$OUT/summary.json")"
+  else
+    echo "[launch] no summary from this launch: the learner ended before writing one (its log: $OUT/logs/learner.log)"
+  fi
 }
 trap 'on_signal SIGINT 130' INT
 trap 'on_signal SIGTERM 143' TERM
@@ -250,7 +262,8 @@ trap 'on_signal SIGHUP 129' HUP    # a closed terminal: the same clean stop
 
 [[ $MPS -eq 1 ]] && start_mps
 learner_args=(--config "$CONFIG" --run-dir "$OUT" "${set_args[@]+"${set_args[@]}"}")
-[[ $RESUME -eq 1 ]] && learner_args+=(--resume)
+if [[ -n "$RESUME_FROM" ]]; then learner_args+=(--resume-from "$RESUME_FROM")
+elif [[ $RESUME -eq 1 ]]; then learner_args+=(--resume); fi
 [[ $NO_EVAL -eq 1 ]] && learner_args+=(--no-eval)
 echo "[launch] run dir $OUT | config $CONFIG | $NUM_ACTORS actors | $WORLD learner rank(s)$([[ $SERVERS -gt 0 ]] && echo " | $SERVERS inference server(s)") | python $PY"
 open_log learner
@@ -293,6 +306,6 @@ while true; do
     fi
   done
 done
-[[ -f "$OUT/summary.json" ]] && echo "[launch] summary: $(tr -d '\n ' < "$OUT/summary.json")"
+report_summary
 echo "[launch] done (exit $status): $OUT"
 exit "$status"

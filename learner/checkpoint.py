@@ -1,11 +1,17 @@
-"""Checkpoints that resume exactly: written atomically, loaded with ``weights_only=True``.
+"""Checkpoints that resume exactly: written atomically, verified, loaded with ``weights_only=True``.
 
 A checkpoint holds the policy (normaliser statistics included), the optimiser, the version and
-step counters, the reward scaler and every RNG state the learner draws from.
+step counters, the reward scaler and every RNG state the learner draws from. Beside each one,
+``<name>.sha256`` holds the SHA-256 of its bytes, computed while they were written and put in place
+before the checkpoint is: loading checks it first, so a truncated or bit-flipped file is reported by
+name instead of loading silently different weights (``torch.load`` checks neither). ``--resume``
+takes the newest checkpoint that verifies and loads, and says which it skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
 from pathlib import Path
@@ -17,6 +23,32 @@ from tensordict import TensorDict
 from shared.policies import load_weights_, published_state
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+DIGEST_SUFFIX = ".sha256"
+log = logging.getLogger("tandem.learner")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, damaged, unreadable); the message names the file."""
+
+
+class _HashingWriter:
+    """A file that hashes what ``torch.save`` writes into it (sequentially), so the digest costs no
+    second read of a large checkpoint."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def digest_path(path: Path) -> Path:
+    """Where the digest of checkpoint `path` is kept: ``<name>.sha256`` beside it."""
+    return Path(path).with_name(Path(path).name + DIGEST_SUFFIX)
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any], version: int, keep: int = 3) -> Path:
@@ -25,26 +57,72 @@ def save_checkpoint(directory: Path, state: dict[str, Any], version: int, keep: 
     path = save_atomic(directory / f"ckpt_{version:08d}.pt", state)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
     return path
 
 
 def save_atomic(path: Path, state: dict[str, Any]) -> Path:
-    """``torch.save`` to `path` through a temp file, fsync and rename: a reader sees the old file or
-    the new one, never half of one, even if the process dies while writing."""
+    """``torch.save`` to `path` through a temp file, fsync and rename, its digest beside it: a reader
+    sees the old file or the new one, never half of one, even if the process dies while writing. The
+    digest is renamed into place first, so a checkpoint in place always has its own. On any error
+    (a full disk) the temp files are removed and the error raised."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    tmp, digest = path.with_suffix(path.suffix + ".tmp"), digest_path(path)
+    digest_tmp = digest.with_suffix(digest.suffix + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(digest_tmp, "w") as f:
+            f.write(f"{writer.sha.hexdigest()}  {path.name}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(digest_tmp, digest)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        digest_tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return path
+
+
+def verify_checkpoint(path: Path) -> bool:
+    """Check `path` against its digest. True: verified; False: it has no digest (written before
+    checkpoints carried one, or copied without it): not verifiable, loaded as it is.
+
+    Raises:
+        CheckpointError: the file is missing or unreadable, or its bytes differ from its digest.
+    """
+    path = Path(path)
+    try:
+        expected = digest_path(path).read_text().split()[0] if digest_path(path).exists() else None
+    except (OSError, IndexError) as e:
+        raise CheckpointError(f"{path}: its digest {digest_path(path).name} is unreadable ({e})") from e
+    sha = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                sha.update(chunk)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
+    if expected is None:
+        return False
+    if sha.hexdigest() != expected:
+        raise CheckpointError(f"{path}: damaged: its SHA-256 is {sha.hexdigest()[:16]}..., "
+                              f"{digest_path(path).name} says {expected[:16]}... (truncated or altered since written)")
+    return True
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -57,11 +135,42 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True`` (no arbitrary code runs)."""
+    """Verify a checkpoint against its digest (:func:`verify_checkpoint`), then load it with
+    ``weights_only=True`` (no arbitrary code runs).
+
+    Raises:
+        CheckpointError: naming the file: missing, damaged, or not loadable.
+    """
+    if not verify_checkpoint(path):
+        log.warning("%s has no digest (%s): loaded without verification", path, digest_path(path).name)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise RuntimeError(f"{path}: cannot load checkpoint: {e}") from e
+        raise CheckpointError(f"{path}: cannot load checkpoint: {e}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a checkpoint (a {type(state).__name__}, not a dict)")
+    return state
+
+
+def load_newest_intact(directory: Path, map_location: str | torch.device = "cpu"
+                       ) -> tuple[Path, dict[str, Any], list[str]]:
+    """The newest checkpoint in `directory` that verifies and loads: ``(path, state, skipped)``, where
+    `skipped` says, newest first, which newer ones were damaged and why.
+
+    Raises:
+        CheckpointError: there is none, or none is intact (every reason listed).
+    """
+    found = list_checkpoints(directory)
+    if not found:
+        raise CheckpointError(f"--resume: no checkpoint in {directory}")
+    skipped = []
+    for path in reversed(found):
+        try:
+            return path, load_checkpoint(path, map_location), skipped
+        except CheckpointError as e:
+            log.error("--resume: skipping %s: %s", path.name, e)
+            skipped.append(str(e))
+    raise CheckpointError(f"--resume: no intact checkpoint in {directory}:\n  " + "\n  ".join(skipped))
 
 
 def load_policy_tensors_(policy: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -82,11 +191,15 @@ class Checkpoints:
         self.directory = Path(run_dir) / "checkpoints" if run_dir is not None else None
         self.save_freq, self.next_save = save_freq, save_freq
 
-    def newest(self) -> Path:
-        found = list_checkpoints(self.directory) if self.directory is not None else []
-        if not found:
-            raise FileNotFoundError(f"--resume: no checkpoint in {self.directory}")
-        return found[-1]
+    def load_for_resume(self, map_location: str | torch.device, path: Path | None = None
+                        ) -> tuple[Path, dict[str, Any], list[str]]:
+        """``(path, state, skipped)``: `path` when given (``--resume-from``: that one or an error, no
+        fallback), else the newest intact checkpoint of this run (:func:`load_newest_intact`)."""
+        if path is not None:
+            return Path(path), load_checkpoint(path, map_location), []
+        if self.directory is None:
+            raise CheckpointError("--resume: this learner has no run directory")
+        return load_newest_intact(self.directory, map_location)
 
     def save(self, state: dict[str, Any], version: int) -> Path | None:
         return save_checkpoint(self.directory, state, version) if self.directory is not None else None

@@ -34,7 +34,7 @@ import torch
 from tensordict import TensorDictBase
 
 from learner.batching import Batcher
-from learner.checkpoint import Checkpoints, load_checkpoint, load_policy_tensors_
+from learner.checkpoint import Checkpoints, load_policy_tensors_
 from learner.counters import MAX_FAILED_UPDATES, RunCounters, SkippedSteps  # noqa: F401 (re-exported)
 from learner.cpu_threads import CpuThreads, learner_threads, uses_critic_thread  # noqa: F401 (re-exported)
 from learner.fast_epochs import MinibatchStep, capturable_policy, resolve_mode
@@ -97,13 +97,15 @@ class Learner:
         cfg: the run's config.
         run_dir: where logs and checkpoints go (None: nowhere).
         publisher: where new weights go (``WeightsPublisher``, ``ListPublisher``, ``LatestWeights``).
-        resume: continue from the newest checkpoint in ``run_dir/checkpoints``.
+        resume: True: continue from the newest intact checkpoint in ``run_dir/checkpoints`` (damaged
+            ones are skipped, and named in :attr:`resume_skipped`); a path: from that checkpoint
+            (``--resume-from``: no fallback).
         logger: a :class:`RunLogger`; None writes nothing (tests).
         discard: benchmark mode: receive, decode, check and count, never store.
         ranks: several learner ranks (``learner/distributed.py``); None: one process.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path | None, publisher: Publisher, resume: bool = False,
+    def __init__(self, cfg: Config, run_dir: Path | None, publisher: Publisher, resume: bool | Path = False,
                  logger: RunLogger | None = None, discard: bool = False, ranks: Ranks | None = None):
         self.cfg, self.ranks, self.discard, self.logger = cfg, ranks, discard, logger
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -147,7 +149,9 @@ class Learner:
         # that a long update does not hold up shutdown. One rank only: DDP ranks take the same steps.
         self.stop_requested: Callable[[], bool] | None = None
         self.checkpoints = Checkpoints(self.run_dir, t.save_freq)
-        self.resumed_from: Path | None = self._resume() if resume else None
+        self.resume_skipped: list[str] = []
+        self.resumed_from: Path | None = (self._resume(None if resume is True else Path(resume))
+                                          if resume else None)
         shm = cfg.learner.weights_transport in ("shm", "cuda_ipc") and (ranks is None or ranks.is_main)
         self.weights_out = WeightsOut(publisher, self.policy, self.device, self.incarnation, self.base_digest,
                                       shm_slots=cfg.learner.shm_slots if shm else None, run_dir=self.run_dir,
@@ -338,9 +342,8 @@ class Learner:
             self.save()
             self.checkpoints.saved_at(total)
 
-    def _resume(self) -> Path:
-        path = self.checkpoints.newest()
-        state = load_checkpoint(path, map_location=self.device)
+    def _resume(self, resume_from: Path | None) -> Path:
+        path, state, self.resume_skipped = self.checkpoints.load_for_resume(self.device, resume_from)
         saved_base = state.get("base_digest")
         if saved_base is not None and saved_base != self.base_digest:
             raise RuntimeError(f"--resume: {path} was trained on another base model (frozen weights digest "
@@ -357,7 +360,9 @@ class Learner:
         self.counts.update(state["counts"])
         self.checkpoints.load_state_dict(state)
         self.algorithm.load_state_dict(state)
-        log.info("resumed from %s: version %d, %d env steps", path, self.version, self.env_steps)
+        log.info("resumed from %s: version %d, %d env steps%s", path, self.version, self.env_steps,
+                 f" (skipped {len(self.resume_skipped)} damaged: {'; '.join(self.resume_skipped)})"
+                 if self.resume_skipped else "")
         return path
 
     def _accepting(self) -> bool:

@@ -91,7 +91,7 @@ class LearnerRun:
 
     # ================================================================ setup
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, resume: bool, evaluator: bool, discard: bool) -> LearnerRun:
+    def start(cls, cfg: Config, run_dir: Path, resume: bool | Path, evaluator: bool, discard: bool) -> LearnerRun:
         self = cls(cfg, run_dir, evaluator, discard)
         self.threads = learner_threads(cfg)
         torch.set_num_threads(self.threads)
@@ -380,6 +380,7 @@ def run_summary(learner: Learner, threads: int, exit_code: int, stopped_by: str 
                **({f"best/{k}": v for k, v in learner.best_eval.items()} if learner.best_eval else {}),
                "incarnation": learner.incarnation,
                "resumed_from": str(learner.resumed_from) if learner.resumed_from else None,
+               **({"resume_skipped": learner.resume_skipped} if learner.resume_skipped else {}),
                "exit_code": exit_code, "stopped_by": stopped_by}
     if ranks is not None:
         summary.update(rank=ranks.rank, world=ranks.world, env_steps_this_rank=learner.env_steps)
@@ -399,7 +400,7 @@ def open_rollout_ring(cfg: Config, learner: Learner, run_dir: Path):
     return ring
 
 
-def run_learner_process(cfg: Config, run_dir: Path, resume: bool = False, evaluator: bool = True,
+def run_learner_process(cfg: Config, run_dir: Path, resume: bool | Path = False, evaluator: bool = True,
                         discard: bool = False) -> int:
     """Run the learner until ``total_steps`` or a stop signal. Returns the process exit code.
 

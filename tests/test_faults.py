@@ -126,8 +126,11 @@ def test_sigkill_learner_stops_the_run_and_resume_restores_every_counter(tmp_pat
     finally:
         run.stop()
     for path in (run_dir / "checkpoints").glob("*"):
-        assert path.suffix == ".pt", f"a temporary file was left: {path}"
-        load_ckpt(path)                                    # every checkpoint is whole
+        assert path.suffix in (".pt", ".sha256"), f"a temporary file was left: {path}"   # a checkpoint, its digest
+        if path.suffix == ".sha256":
+            assert path.with_suffix("").is_file(), f"a digest without its checkpoint: {path}"
+        else:
+            load_ckpt(path)                                # every checkpoint is whole
     ckpt = load_ckpt(newest_checkpoint(run_dir))
     n_before = len(read_jsonl(run_dir / "versions.jsonl"))
     m_before = len(read_jsonl(run_dir / "metrics.jsonl"))
