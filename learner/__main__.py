@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, KeyFileError, ConfigError, CheckpointError) as e:   # ConfigError: e.g. the model's vocabulary
         print(e, file=sys.stderr)
         return 2
+    except OSError as e:   # the run directory cannot be written at start-up (a full disk, no permission)
+        print(f"[learner] cannot write the run directory {e.filename or ''}: [Errno {e.errno}] {e.strerror}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from learner.disk import warn_if_nearly_full
 from shared.policies import load_weights_, published_state
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -201,8 +202,21 @@ class Checkpoints:
             raise CheckpointError("--resume: this learner has no run directory")
         return load_newest_intact(self.directory, map_location)
 
+    def path_for(self, version: int) -> Path | None:
+        return self.directory / f"ckpt_{version:08d}.pt" if self.directory is not None else None
+
     def save(self, state: dict[str, Any], version: int) -> Path | None:
-        return save_checkpoint(self.directory, state, version) if self.directory is not None else None
+        """Write the checkpoint of `version`; warn when the disk has room for fewer than two more."""
+        if self.directory is None:
+            return None
+        path = save_checkpoint(self.directory, state, version)
+        warn_if_nearly_full(self.directory, path.stat().st_size)
+        return path
+
+    def last_intact(self) -> Path | None:
+        """The newest checkpoint that has its digest (for messages; loading verifies it)."""
+        found = [p for p in list_checkpoints(self.directory) if digest_path(p).exists()] if self.directory else []
+        return found[-1] if found else None
 
     def due(self, env_steps: int) -> bool:
         """Whether a checkpoint is due at `env_steps`."""

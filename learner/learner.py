@@ -35,6 +35,7 @@ from tensordict import TensorDictBase
 
 from learner.batching import Batcher
 from learner.checkpoint import Checkpoints, load_policy_tensors_
+from learner.disk import DISK
 from learner.counters import MAX_FAILED_UPDATES, RunCounters, SkippedSteps  # noqa: F401 (re-exported)
 from learner.cpu_threads import CpuThreads, learner_threads, uses_critic_thread  # noqa: F401 (re-exported)
 from learner.fast_epochs import MinibatchStep, capturable_policy, resolve_mode
@@ -332,9 +333,15 @@ class Learner:
                 **self.algorithm.state_dict(), **self.checkpoints.state_dict()}
 
     def save(self) -> Path | None:
+        """A checkpoint of this version (rank 0 only). A failed write (a full disk) leaves none, and is
+        handed to ``learner.disk.DISK``, which stops the run; returns None then."""
         if self.ranks is not None and not self.ranks.is_main:
             return None
-        return self.checkpoints.save(self.state_dict(), self.version)
+        try:
+            return self.checkpoints.save(self.state_dict(), self.version)
+        except OSError as e:
+            DISK.record(self.checkpoints.path_for(self.version), e)
+            return None
 
     def maybe_save(self) -> None:
         total = self.env_steps + self.peer_env_steps

@@ -16,22 +16,36 @@ from typing import Any
 
 import torch
 
+from learner.disk import DISK
+
 
 class JsonlWriter:
-    """Append-only JSON-lines file, flushed per line so a crash loses at most one line."""
+    """Append-only JSON-lines file, flushed per line so a crash loses at most one line. A write that
+    fails (a full disk) goes to ``learner.disk.DISK``, which stops the run; later lines are dropped."""
 
     def __init__(self, path: Path):
+        self.path = Path(path)
         self._f = open(path, "a", buffering=1)
         self._lock = threading.Lock()
+        self._failed = False
 
     def write(self, **record: Any) -> None:
         line = json.dumps(record, allow_nan=True, separators=(",", ":"))
         with self._lock:
-            self._f.write(line + "\n")
+            if self._failed:
+                return
+            try:
+                self._f.write(line + "\n")
+            except OSError as e:
+                self._failed = True
+                DISK.record(self.path, e)
 
     def close(self) -> None:
         with self._lock:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError as e:       # the line still buffered could not be written
+                DISK.record(self.path, e)
 
 
 class RunLogger:
@@ -57,22 +71,31 @@ class RunLogger:
         """One ``metrics.jsonl`` line and one TensorBoard scalar per value, at env step `step`."""
         clean = {k: (float(v) if v is not None else None) for k, v in values.items()}
         self.metrics.write(**extra, env_steps=step, time=time.time(), **clean)
-        if self.tb is not None:
-            with self._tb_lock:
-                for k, v in clean.items():
-                    if v is not None and math.isfinite(v):
-                        self.tb.add_scalar(k, v, step)
+        with self._tb_lock:
+            for k, v in clean.items():
+                if self.tb is not None and v is not None and math.isfinite(v):
+                    self._tb_call(self.tb.add_scalar, k, v, step)
 
     def histogram(self, tag: str, values: torch.Tensor, step: int) -> None:
         if self.tb is not None and values.numel():
             with self._tb_lock:
-                self.tb.add_histogram(tag, values.float(), step)
+                self._tb_call(self.tb.add_histogram, tag, values.float(), step)
+
+    def _tb_call(self, fn, *args) -> None:
+        """A TensorBoard write; its writer thread's I/O error comes back from the next call: then
+        the run directory failed (``learner.disk``) and TensorBoard is written no more."""
+        try:
+            fn(*args)
+        except OSError as e:
+            self.tb = None
+            DISK.record(self.run_dir / "events.out.tfevents.*", e)
 
     def close(self) -> None:
         self.metrics.close()
         self.versions.close()
         if self.tb is not None:
-            self.tb.close()
+            with self._tb_lock:
+                self._tb_call(self.tb.close)
 
 
 def fmt_num(x: float) -> str:

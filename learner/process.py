@@ -24,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 import zmq
 
+from learner.disk import DISK, catch_background_write_errors
 from learner.distributed import ranks_from_env
 from learner.evaluator import run_evaluator
 from learner.learner import Learner, learner_threads
@@ -202,6 +203,10 @@ class LearnerRun:
         learner = self.learner
         try:
             while self.ranks is not None or (not self.stop.is_set() and not learner.finished):
+                if DISK.failed:           # the run directory cannot be written: stop (ranks: as a stop signal)
+                    self.stop.set()
+                    if self.ranks is None:
+                        break
                 if not self.receiver.is_alive():
                     raise RuntimeError(f"the receiver thread died: {self.receiver_died or 'no reason recorded'}")
                 self.publisher.serve_subscriptions()
@@ -222,6 +227,9 @@ class LearnerRun:
         except Exception as e:
             log.exception("learner failed")
             say(f"[learner] failed: {type(e).__name__}: {e}")
+            return 1
+        if DISK.failed:
+            say(DISK.line(self.learner.checkpoints.last_intact()))
             return 1
         return 0
 
@@ -263,7 +271,7 @@ class LearnerRun:
         """Stop the actors, save, evaluate the final weights, write the summary, close everything.
         Each step runs even if an earlier one failed; returns the final exit code."""
         learner = self.learner
-        if self.reason:
+        if self.reason and not DISK.failed:
             say(f"[learner] {self.reason[0]}: stopping")
         # Training is over: rollouts that still arrive are not counted, and actors are told to
         # stop now (the evaluator ignores this stop and evaluates the final weights sent after it).
@@ -349,7 +357,12 @@ class LearnerRun:
         summary = run_summary(self.learner, self.threads, exit_code, self.reason[0] if self.reason else None,
                               self.ranks)
         name = "summary.json" if self.main else f"summary.rank{self.ranks.rank}.json"
-        write_json_atomic(self.run_dir / name, summary, indent=2)
+        try:
+            write_json_atomic(self.run_dir / name, summary, indent=2)
+        except OSError as e:   # a full disk: no summary (the launcher says so), and no temp file left
+            (self.run_dir / f"{name}.tmp").unlink(missing_ok=True)
+            DISK.record(self.run_dir / name, e)
+            return 1
         return exit_code
 
     def _close(self) -> None:
@@ -407,6 +420,7 @@ def run_learner_process(cfg: Config, run_dir: Path, resume: bool | Path = False,
     With `discard`, rollouts are received, decoded, checked and counted but never trained on
     (the transport-cost benchmark); version 0 stays the only version.
     """
+    catch_background_write_errors()
     run = LearnerRun.start(cfg, run_dir, resume, evaluator, discard)
     exit_code = 1
     try:

@@ -12,25 +12,45 @@ from pathlib import Path
 
 from tensordict import TensorDictBase
 
+from learner.disk import DISK
+
 
 class BatchRecorder:
+    """Writes ``RUN/record``. A write that fails (a full disk) goes to ``learner.disk.DISK``, which
+    stops the run; nothing more is recorded. An update whose batch is on disk but not in the index
+    is not replayed (the index line comes last)."""
+
     def __init__(self, directory: Path):
         self.directory = Path(directory)
+        self.failed = False
 
     def write(self, data: TensorDictBase, infos: list[dict], reward_std: float | None, update: int,
               version: int) -> None:
         """Append the batch about to be trained on by `update` (numbered from 1)."""
         name = f"update_{update:07d}"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        data.cpu().memmap(self.directory / name)
         entry = {"update": update, "version": version, "dir": name, "reward_std": reward_std,
                  "rollouts": [{k: i[k] for k in ("actor", "seq", "policy_version", "policy_version_max",
                                                  "env_steps")} for i in infos]}
-        with open(self.directory / "index.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        self._guarded(self.directory / name, lambda: data.cpu().memmap(self.directory / name))
+        self._append("index.jsonl", entry)
 
     def write_threads(self, update: int, schedule: list[list[int]]) -> None:
         """After `update`: the intra-op threads its minibatches ran on, as ``[threads, count]`` runs
         (``learner.torch_threads: "idle"`` only; CPU float sums depend on the thread count)."""
-        with open(self.directory / "threads.jsonl", "a") as f:
-            f.write(json.dumps({"update": update, "threads": schedule}) + "\n")
+        self._append("threads.jsonl", {"update": update, "threads": schedule})
+
+    def _append(self, name: str, entry: dict) -> None:
+        def append() -> None:
+            with open(self.directory / name, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        self._guarded(self.directory / name, append)
+
+    def _guarded(self, path: Path, write) -> None:
+        if self.failed:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write()
+        except OSError as e:
+            self.failed = True
+            DISK.record(path, e)

@@ -35,6 +35,7 @@ import torch
 from tensordict import TensorDictBase
 
 from actors.rollout import Collector
+from learner.disk import DISK, RunDirWriteError, catch_background_write_errors
 from learner.evaluator import eval_seed, evaluate
 from learner.learner import Learner
 from learner.logs import RunLogger
@@ -125,6 +126,8 @@ class SerialRunner:
         for rollout, meta in self.collect():
             learner.ingest(rollout, meta)
         self.train()
+        if DISK.failed:   # the run directory cannot be written (a full disk): stop, and say where to resume
+            raise RunDirWriteError(DISK.line(learner.checkpoints.last_intact()))
         if self.eval_every and learner.env_steps >= (self.evaluations + 1) * self.eval_every:
             self.evaluate()
         return not learner.finished
@@ -177,6 +180,8 @@ class SerialRunner:
                 self.evaluate()
             say(self.learner.progress_line().replace("[learner]", "[serial]"))
             self.learner.save()
+            if DISK.failed:
+                raise RunDirWriteError(DISK.line(self.learner.checkpoints.last_intact()))
             return dict(self.learner.last_eval or {})
         finally:
             self.close()
@@ -205,12 +210,21 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    catch_background_write_errors()
     try:
         runner = SerialRunner(cfg, args.out)
     except ConfigError as e:   # e.g. a tokenizer that is not the model's
         print(e, file=sys.stderr)
         return 2
-    result = runner.run()
+    except OSError as e:       # the run directory cannot be written at start-up
+        print(f"[serial] cannot write the run directory {e.filename or ''}: [Errno {e.errno}] {e.strerror}",
+              file=sys.stderr)
+        return 1
+    try:
+        result = runner.run()
+    except RunDirWriteError as e:
+        say(str(e).replace("[learner]", "[serial]"))
+        return 1
     say(f"[serial] done: eval return {result.get('eval/return_mean', float('nan')):.1f} at version "
         f"{result.get('version')}" + (f"; run directory {args.out}" if args.out else ""))
     return 0
