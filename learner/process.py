@@ -105,7 +105,7 @@ class LearnerRun:
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if self.main:
             save_config(cfg, self.run_dir / "config.json")
-        self._install_signals()
+        install_stop_signals(self.reason, self.stop)
         self.curve = server_from_config(cfg)   # bad key files fail here, before any socket exists
         self.ctx = zmq.Context()
         if self.curve is not None:
@@ -138,13 +138,6 @@ class LearnerRun:
         # After --resume the checkpoint's version was published before: log a "resume" line, not a second publish.
         self.learner.publish(event="resume" if self.learner.resumed_from is not None else "publish")
         return self
-
-    def _install_signals(self) -> None:
-        def _on_signal(signum, frame):  # only set a flag: never raise inside a ZeroMQ call
-            self.reason.append(signal.Signals(signum).name)
-            self.stop.set()
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal)
 
     def _bind_receivers(self) -> None:
         """The rollout socket, sized from the rollout schema, and the evaluator's own socket."""
@@ -357,13 +350,7 @@ class LearnerRun:
         summary = run_summary(self.learner, self.threads, exit_code, self.reason[0] if self.reason else None,
                               self.ranks)
         name = "summary.json" if self.main else f"summary.rank{self.ranks.rank}.json"
-        try:
-            write_json_atomic(self.run_dir / name, summary, indent=2)
-        except OSError as e:   # a full disk: no summary (the launcher says so), and no temp file left
-            (self.run_dir / f"{name}.tmp").unlink(missing_ok=True)
-            DISK.record(self.run_dir / name, e)
-            return 1
-        return exit_code
+        return exit_code if write_summary(self.run_dir / name, summary) else 1
 
     def _close(self) -> None:
         for close in (self.logger.close, lambda: time.sleep(0.2),   # let the stop messages leave
@@ -378,6 +365,27 @@ class LearnerRun:
                 close()
             except Exception:
                 log.exception("closing the learner's resources")
+
+
+def install_stop_signals(reason: list[str], stop: threading.Event) -> None:
+    """SIGINT and SIGTERM only note their name in `reason` and set `stop` (never raise inside a ZeroMQ call)."""
+    def _on_signal(signum, frame):
+        reason.append(signal.Signals(signum).name)
+        stop.set()
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> bool:
+    """``summary.json`` through a temp file; False when it could not be written (a full disk: no temp
+    file is left, and ``learner.disk.DISK`` stops the run)."""
+    try:
+        write_json_atomic(path, summary, indent=2)
+        return True
+    except OSError as e:
+        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+        DISK.record(path, e)
+        return False
 
 
 def run_summary(learner: Learner, threads: int, exit_code: int, stopped_by: str | None, ranks) -> dict[str, Any]:
