@@ -14,7 +14,11 @@ the learner's endpoints from the run's named Ray actor, and rank 0 still writes 
 A failed actor is restarted by Ray (at most TANDEM_MAX_RESTARTS times, default 3, with back-off); if
 a learner rank dies, or an actor fails once more than that, the run stops and exits non-zero.
 SIGINT or SIGTERM: every process is sent SIGTERM and given time to stop (the learner writes its final
-checkpoint), then what is left is killed; the exit code is 130 or 143. Ray's object store carries
+checkpoint), then what is left is killed; the exit code is 130 or 143. The local Ray instance (no
+--address) runs in a session of its own, so a signal to the launcher's whole process group (timeout,
+systemd, a container stop, scancel) does not take Ray down under the shutdown; the launcher stops it
+last. Should that instance die anyway, the launcher stops waiting on Ray and ends what is left itself.
+A cluster given with --address is left running. Ray's object store carries
 control messages only (config text, endpoints, exit codes, logs): rollouts and weights go over
 ZeroMQ, with CURVE where configured. See docs/guides/multi_node.md.
 """
@@ -26,7 +30,10 @@ import json
 import os
 import secrets
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +51,8 @@ ANY_ADDRESS = ("0.0.0.0", "::", "*")
 LEARNER_STOP_S = 30.0     # a learner's final checkpoint and summary, after SIGTERM
 ACTOR_STOP_S = 10.0
 POLL_S = 0.5
+HEAD_START_S = 120.0      # the local Ray instance's `ray start`
+HEAD_STOP_S = 15.0        # ... and its stop, before what is left of it is killed
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,6 +80,10 @@ class Stop:
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self.install()
+
+    def install(self) -> None:
+        """(Again after ray.init, which installs a SIGTERM handler of its own.)"""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -135,14 +148,168 @@ def check_placement(cfg: Config, rank_nodes: list[str], actor_nodes: list[str],
     return errors
 
 
+def _term_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+class HeadGone(RuntimeError):
+    """The local Ray instance this launcher started is gone: no Ray call would be answered."""
+
+
+class LocalHead:
+    """The one-node Ray instance run_ray.py starts without --address: ``ray start --head --block`` in a
+    session of its own. Ray's processes started by ray.init would share the launcher's process group, so
+    a SIGTERM to the group (timeout, systemd, a container stop, scancel) killed the GCS under the
+    shutdown and the driver waited 60 s for it, then failed. Its own temporary directory keeps it apart
+    from any other Ray instance on the host (neither joined by ray.init nor named by `--address auto`);
+    it gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG). The launcher stops it last, then kills
+    whatever is left of it and of the processes it hosted."""
+
+    def __init__(self, log: Path, num_cpus: int):
+        self.log, self.num_cpus = log, num_cpus
+        self.proc: subprocess.Popen | None = None
+        self.seen: dict = {}           # pid: psutil.Process, every process of the instance seen so far
+        self.core: list = []           # its GCS and raylet
+        # short: Ray's Unix sockets live under it (AF_UNIX paths have at most 107 bytes)
+        base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+        os.makedirs(base, exist_ok=True)
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="tandem-ray-", dir=base))
+
+    def start(self, stop: Stop) -> str | None:
+        """Start the instance and wait until it is up; returns its GCS address (None if stopped first)."""
+        with socket.socket() as a, socket.socket() as b:    # free ports: another instance may have the defaults
+            a.bind(("", 0))
+            b.bind(("", 0))
+            port, client_port = a.getsockname()[1], b.getsockname()[1]
+        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port),
+                "--ray-client-server-port", str(client_port), "--num-cpus", str(self.num_cpus),
+                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(self.temp_dir)]
+        _local_token_auth()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # A host that dies (its raylet got SIGTERM too, or every process did, as systemd signals a
+        # unit's control group) must not take its child down with SIGKILL, as Ray does to a worker's
+        # children and process group: the child gets SIGTERM from PR_SET_PDEATHSIG, the learner writes
+        # its final checkpoint, and stop() waits for it and kills what is left.
+        env.setdefault("RAY_kill_child_processes_on_worker_exit", "0")
+        env.setdefault("RAY_process_group_cleanup_enabled", "0")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_term_with_parent)
+        address_file = self.temp_dir / "ray_current_cluster"    # `ray start` writes it once the node is up
+        deadline = time.monotonic() + HEAD_START_S
+        while True:
+            address = address_file.read_text().strip() if address_file.exists() else ""
+            if address.rpartition(":")[2].isdigit():
+                self.remember()
+                return address
+            if stop.signal:
+                return None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the local Ray instance did not start (exit code {self.proc.returncode}; "
+                                   f"see {self.log})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the local Ray instance was not up after {HEAD_START_S:.0f} s (see {self.log})")
+            time.sleep(0.2)
+
+    def remember(self) -> None:
+        """Note the instance's processes as they are now (its GCS, raylet, workers and their children:
+        the run's learner and actors), to kill any of them still running at the end."""
+        import psutil
+        if self.proc is None:
+            return
+        try:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                if p.pid not in self.seen:
+                    self.seen[p.pid] = p
+                    if _name(p) in ("gcs_server", "raylet"):
+                        self.core.append(p)
+        except psutil.NoSuchProcess:
+            pass
+
+    def alive(self) -> bool:
+        """The instance is up: `ray start` and its GCS and raylet run."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        return all(_running(p) for p in self.core)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the instance and wait for it (at most HEAD_STOP_S; none if its GCS or raylet is
+        already gone), kill its process group, then wait up to `grace_s` for everything it ran (a
+        learner orphaned by its host writes its final checkpoint), then SIGKILL what is left."""
+        import psutil
+        if self.proc is None:
+            return
+        self.remember()
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(HEAD_STOP_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # its session's group: GCS, raylet, agents
+        except (ProcessLookupError, PermissionError):
+            pass
+        left = _wait_gone(list(self.seen.values()), grace_s)
+        for p in left:       # Ray's workers lead process groups of their own; a child may outlive its host
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _wait_gone(left, 5.0)
+
+
+def _local_token_auth() -> None:
+    """What ray.init does for a local instance it starts: token authentication unless RAY_AUTH_MODE
+    says otherwise (for the instance and this driver), and a token made if there is none."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            enable_token_auth_by_default, ensure_token_if_auth_enabled)
+    except ImportError:       # a Ray without token authentication
+        return
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+
+
+def _name(p) -> str:
+    try:
+        return p.name()
+    except Exception:  # noqa: BLE001 - gone
+        return ""
+
+
+def _running(p) -> bool:
+    """Running and not a zombie (one whose parent died is reaped by another process, not by us)."""
+    import psutil
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(procs: list, timeout_s: float) -> list:
+    """Wait up to `timeout_s` for `procs` (psutil.Process) to end; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 class RayRun:
     """The driver's side: placement group, hosts, supervision, shutdown."""
 
-    def __init__(self, args: argparse.Namespace, cfg: Config, overrides: list[str], out: Path, stop: Stop):
+    def __init__(self, args: argparse.Namespace, cfg: Config, overrides: list[str], out: Path, stop: Stop,
+                 head: LocalHead | None = None):
         import ray
         from runners.ray_hosts import ProcessHost, RunRegistry
         self.ray, self.ProcessHost = ray, ProcessHost
         self.args, self.cfg, self.overrides, self.out, self.stop = args, cfg, overrides, out, stop
+        self.head = head          # the local Ray instance this launcher started (None: a cluster's)
+        self.head_lost = False
         self.world = max(1, len(cfg.learner.devices))
         self.tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         self.registry_name = f"tandem:{self.tag}"
@@ -160,6 +327,22 @@ class RayRun:
 
     def say(self, msg: str) -> None:
         print(f"[launch] {msg}", flush=True)
+
+    def head_alive(self) -> bool:
+        return self.head is None or self.head.alive()
+
+    def get(self, refs, timeout: float):
+        """ray.get in slices of a second, raising HeadGone as soon as the local Ray instance is gone
+        (Ray's own calls would wait a minute for its GCS, then end the process)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.head_alive():
+                raise HeadGone("the local Ray instance is gone")
+            try:
+                return self.ray.get(refs, timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except self.ray.exceptions.GetTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
 
     # ------------------------------------------------------------------ placement
     def place(self) -> list[str] | None:
@@ -261,15 +444,26 @@ class RayRun:
     # ------------------------------------------------------------------ supervise and stop
     def supervise(self) -> int:
         ray, stop = self.ray, self.stop
+        polls = 0
         while True:
             if stop.signal:
                 self.say(f"{stop.signal}: stopping the learner and {len(self.actors)} actors")
                 return stop.exit_code
+            if self.head is not None and polls % 10 == 0:
+                self.head.remember()        # a restarted actor's new processes too
+            polls += 1
             try:
-                codes = ray.get([h.poll.remote() for h in self.ranks], timeout=60)
+                codes = self.get([h.poll.remote() for h in self.ranks], timeout=60)
+            except HeadGone:
+                self.say("the local Ray instance is gone: stopping the run")
+                return stop.exit_code if stop.signal else 1
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                if stop.signal:     # the signal reached the cluster's processes too
+                    continue
                 self.say(f"lost a learner rank ({type(e).__name__}): stopping the run")
                 return 1
+            if stop.signal:
+                continue
             if any(c is not None for c in codes):
                 failed = [c for c in codes if c not in (None, 0)]
                 if failed:
@@ -283,13 +477,26 @@ class RayRun:
             time.sleep(POLL_S)
 
     def shutdown(self) -> None:
-        """TERM every child through its host and give it time, then kill the hosts and free the bundles."""
+        """TERM every child through its host and give it time, then kill the hosts and free the bundles.
+        If the local Ray instance is gone (it got the signal too), stop calling Ray: LocalHead.stop
+        waits for the orphaned children (SIGTERMed as their hosts died) and kills what is left."""
+        if self.head is not None:
+            self.head.remember()
+        try:
+            self._shutdown()
+        except HeadGone:
+            self.head_lost = True
+            self.say("the local Ray instance is gone: ending the run's processes without it")
+
+    def _shutdown(self) -> None:
         ray = self.ray
         calls = [h.stop.remote(LEARNER_STOP_S) for h in self.ranks] + \
             [h.stop.remote(ACTOR_STOP_S) for h in [*self.actors, *self.servers]]
         for c in calls:
             try:
-                ray.get(c, timeout=LEARNER_STOP_S + 10)
+                self.get(c, timeout=LEARNER_STOP_S + 10)
+            except HeadGone:
+                raise
             except Exception:  # noqa: BLE001 - a host that died or is restarting: killed below
                 pass
         self.collect_logs()
@@ -300,8 +507,10 @@ class RayRun:
                 pass
         time.sleep(0.2)
         for h in [*self.ranks, *self.actors, *self.servers, self.registry]:
+            if not self.head_alive():
+                raise HeadGone("the local Ray instance is gone")
             ray.kill(h, no_restart=True)
-        if self.pg is not None:
+        if self.pg is not None and self.head_alive():
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.pg)
 
@@ -311,7 +520,9 @@ class RayRun:
         try:
             for h in [*self.ranks, *self.actors, *self.servers]:
                 try:
-                    files = self.ray.get(h.collect.remote(self.marker), timeout=30)
+                    files = self.get(h.collect.remote(self.marker), timeout=30)
+                except HeadGone:
+                    raise
                 except Exception:  # noqa: BLE001
                     continue
                 for rel, data in files:
@@ -345,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     from learner.__main__ import default_run_dir
     out = (args.out or default_run_dir(cfg)).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    stop = Stop()     # before the local instance starts: a signal meanwhile stops it too
+    head = None
     if args.address is None:   # a local instance: its CPUs are scheduling tokens, as many as the bundles ask
         r = cfg.launch.ray
         cpus = sum(r.learner_resources[i % len(r.learner_resources)].get("CPU", 0)
@@ -354,12 +567,30 @@ def main(argv: list[str] | None = None) -> int:
             from actors.inference_topology import server_devices
             cpus += sum(r.server_resources[s % len(r.server_resources)].get("CPU", 0)
                         for s in range(len(server_devices(cfg))))
-        ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
-                 num_cpus=max(os.cpu_count() or 1, int(-(-cpus // 1))))
+        head = LocalHead(out / "logs" / "ray_head.log", max(os.cpu_count() or 1, int(-(-cpus // 1))))
+        try:
+            address = head.start(stop)
+        except Exception as e:  # noqa: BLE001 - reported; what did start is stopped
+            print(f"[launch] failed: {e}", file=sys.stderr, flush=True)
+            head.stop(5.0)
+            return 1
+        if address is None:
+            head.stop(5.0)
+            print(f"[launch] {stop.signal} while the local Ray instance started (exit {stop.exit_code})", flush=True)
+            return stop.exit_code
+        try:
+            ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+        except BaseException:
+            head.stop(5.0)
+            raise
     else:
         ray.init(address=args.address, namespace=NAMESPACE, logging_level="WARNING")
-    stop = Stop()     # after ray.init, which installs its own SIGTERM handler
-    run = RayRun(args, cfg, overrides, out, stop)
+    stop.install()    # again: ray.init installs a SIGTERM handler of its own
+    try:
+        run = RayRun(args, cfg, overrides, out, stop, head)
+    except BaseException:
+        _end_ray(ray, head)
+        raise
     status = 1
     try:
         nodes = run.place()
@@ -381,12 +612,38 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):   # a second signal must not cut the shutdown short
             signal.signal(sig, signal.SIG_IGN)
         run.shutdown()
-        ray.shutdown()
+        detached = _end_ray(ray, head, LEARNER_STOP_S if run.head_lost else 5.0)
     summary = out / "summary.json"
     if summary.exists():
         print(f"[launch] summary: {json.dumps(json.loads(summary.read_text()), separators=(',', ':'))}")
     print(f"[launch] done (exit {status}): {out}", flush=True)
+    if detached:      # Ray's exit handlers would wait on a GCS that is gone
+        sys.stderr.flush()
+        os._exit(status)
     return status
+
+
+def _end_ray(ray, head: LocalHead | None, grace_s: float = 5.0) -> bool:
+    """Disconnect from Ray (at most 10 s: with the local instance gone it could wait a minute), then
+    stop the local instance if this launcher started it; a cluster given with --address keeps running.
+    True if the disconnect did not finish (the process must then end with os._exit)."""
+    import threading
+    done = threading.Event()
+    if head is not None and not head.alive():
+        detached = True
+    else:
+        def disconnect() -> None:
+            try:
+                ray.shutdown()
+            except Exception as e:  # noqa: BLE001 - reported; the instance is stopped below all the same
+                print(f"[launch] ray.shutdown: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            done.set()
+
+        threading.Thread(target=disconnect, daemon=True, name="ray-shutdown").start()
+        detached = not done.wait(10.0)
+    if head is not None:
+        head.stop(grace_s)
+    return detached
 
 
 if __name__ == "__main__":

@@ -129,3 +129,98 @@ def test_restart_back_off_and_leftovers(tmp_path):
                                                          "shm": str(outside)}))
     remove_learner_leftovers(tmp_path)
     assert outside.exists() and not (tmp_path / "endpoints.json").exists()
+
+
+def _running(p) -> bool:
+    import psutil
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_stops_the_local_ray_instance_too(tmp_path):
+    """What `timeout`, systemd, a container stop and scancel do: SIGTERM to the launcher's whole process
+    group. The local Ray instance it started runs in a session of its own, so it outlives the signal:
+    the launcher stops the run through it (the learner writes its final checkpoint), then stops it,
+    and exits 143 within seconds (it used to wait 60 s for a GCS that the signal had killed, then fail
+    with 1), leaving no Ray or Tandem process running."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    import os
+    import re
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import psutil
+
+    from tests.children import child_pythonpath
+    run, log = tmp_path / "run", tmp_path / "driver.log"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rrg", dir="/tmp"))    # short: Ray's Unix sockets live under it
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(ray_tmp),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    argv = [sys.executable, str(ROOT / "launch" / "run_ray.py"), "--config", str(ROOT / "configs" / "cartpole_ppo.json"),
+            "--actors", "1", "--steps", "100000000", "--no-eval", "--out", str(run),
+            "--set", "trainer.save_freq=1000000000"]          # the only checkpoint: the one SIGTERM writes
+    driver = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+
+    def note_processes() -> None:       # the launcher's tree: the Ray instance, its workers, learner and actor
+        try:
+            for p in psutil.Process(driver.pid).children(recursive=True):
+                seen.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+
+    def of_this_run() -> list:          # any process still running that names this run's Ray directory
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if str(ray_tmp) in " ".join(p.info["cmdline"] or []) and _running(p):
+                found.append(p)
+        return found
+
+    try:
+        deadline = time.monotonic() + 180
+        versions = run / "versions.jsonl"
+        while not (versions.exists() and versions.read_text().count('"publish"') >= 2):
+            assert driver.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no training after 180 s\n" + log.read_text()[-4000:]
+            note_processes()
+            time.sleep(0.5)
+        assert not list((run / "checkpoints").glob("*.pt"))      # none yet: the final one is SIGTERM's
+        note_processes()
+        assert any("raylet" in p.name() for p in seen.values()), "no raylet under the launcher"
+        os.killpg(driver.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        rc = driver.wait(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(10)
+        time.sleep(1.0)
+        left = [p for p in seen.values() if _running(p)] + of_this_run()
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    output = log.read_text()
+    assert rc == 143 and took < 30, (rc, took, output[-4000:])
+    assert "Failed to connect to GCS" not in output, output[-4000:]
+    assert not left, ([(p.pid, p.name()) for p in left], output[-4000:])
+    started = {int(p) for p in re.findall(r"(?:actor_\d|learner): pid (\d+)", output)}
+    assert len(started) == 2, output[-4000:]
+    assert not [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM", summary
+    import torch
+    checkpoint = max((run / "checkpoints").glob("*.pt"))
+    assert torch.load(checkpoint, weights_only=True)["version"] == summary["version"]
