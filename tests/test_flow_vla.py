@@ -51,6 +51,12 @@ def test_lerobot_layout_loads_through_transformers_mapping(saved, tmp_path):
     assert names["embed_action_time.state_proj.weight"] == "model.state_proj.weight"
     _equal_state(load_pi0(tmp_path / "lerobot"), saved[1])
 
+    missing = "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+    edit_checkpoint(tmp_path / "lerobot", tmp_path / "lerobot_missing", lambda d: d.pop(missing))
+    with pytest.raises(VLALoadError, match=r"missing \['model.vlm.vision_tower.encoder.layers.0.mlp.fc1.weight'\]"
+                       r".*weights: model.safetensors"):
+        load_pi0(tmp_path / "lerobot_missing")
+
 
 @pytest.mark.parametrize("case, edit, named", [
     ("renamed", lambda d: d.__setitem__(EXPERT_UP.replace("up_proj", "upp_proj"), d.pop(EXPERT_UP)),

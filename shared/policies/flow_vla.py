@@ -254,12 +254,11 @@ def velocity(model: nn.Module, prefix: Prefix, x_t: torch.Tensor, t: torch.Tenso
     inputs = prefix.inputs
     if not torch.is_tensor(t) or t.dim() == 0:
         t = torch.full((x_t.shape[0],), float(t), dtype=torch.float32, device=x_t.device)
-    try:
-        out = model(state=inputs.state, noise=x_t, timestep=t.to(torch.float32),
-                    pixel_attention_mask=inputs.pixel_attention_mask, attention_mask=inputs.attention_mask,
-                    cache=prefix.cache)
-    finally:
-        prefix.cache.crop(prefix.length - prefix.cache.get_seq_length())
+    out = model(state=inputs.state, noise=x_t, timestep=t.to(torch.float32),
+                pixel_attention_mask=inputs.pixel_attention_mask, attention_mask=inputs.attention_mask,
+                cache=prefix.cache)
+    # this version's crop takes the (negative) number of tokens to drop: the pass's 1 + H
+    prefix.cache.crop(prefix.length - prefix.cache.get_seq_length())
     return out.logits
 
 
