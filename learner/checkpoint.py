@@ -2,8 +2,8 @@
 
 A checkpoint holds the policy (normaliser statistics included), the optimiser, the version and
 step counters, the reward scaler and every RNG state the learner draws from. Beside each one,
-``<name>.sha256`` holds the SHA-256 of its bytes, computed while they were written and put in place
-before the checkpoint is: loading checks it first, so a truncated or bit-flipped file is reported by
+``<name>.sha256`` holds the SHA-256 of its bytes, read back right after they were written and synced,
+and put in place before the checkpoint is: loading checks it first, so a truncated or bit-flipped file is reported by
 name instead of loading silently different weights (``torch.load`` checks neither). ``--resume``
 takes the newest checkpoint that verifies and loads, and says which it skipped.
 """
@@ -32,21 +32,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing, damaged, unreadable); the message names the file."""
 
 
-class _HashingWriter:
-    """A file that hashes what ``torch.save`` writes into it (sequentially), so the digest costs no
-    second read of a large checkpoint."""
-
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def digest_path(path: Path) -> Path:
     """Where the digest of checkpoint `path` is kept: ``<name>.sha256`` beside it."""
     return Path(path).with_name(Path(path).name + DIGEST_SUFFIX)
@@ -73,12 +58,12 @@ def save_atomic(path: Path, state: dict[str, Any]) -> Path:
     digest_tmp = digest.with_suffix(digest.suffix + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(state, writer)
+            torch.save(state, f)     # to the file itself: torch's fast path (a Python writer in between costs 2x)
             f.flush()
             os.fsync(f.fileno())
+        digest_hex = file_sha256(tmp)     # read back while it is in the page cache
         with open(digest_tmp, "w") as f:
-            f.write(f"{writer.sha.hexdigest()}  {path.name}\n")
+            f.write(f"{digest_hex}  {path.name}\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(digest_tmp, digest)
@@ -89,6 +74,15 @@ def save_atomic(path: Path, state: dict[str, Any]) -> Path:
         digest_tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of `path`'s bytes (read in 16 MiB pieces)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -111,17 +105,14 @@ def verify_checkpoint(path: Path) -> bool:
         expected = digest_path(path).read_text().split()[0] if digest_path(path).exists() else None
     except (OSError, IndexError) as e:
         raise CheckpointError(f"{path}: its digest {digest_path(path).name} is unreadable ({e})") from e
-    sha = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                sha.update(chunk)
+        actual = file_sha256(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
     if expected is None:
         return False
-    if sha.hexdigest() != expected:
-        raise CheckpointError(f"{path}: damaged: its SHA-256 is {sha.hexdigest()[:16]}..., "
+    if actual != expected:
+        raise CheckpointError(f"{path}: damaged: its SHA-256 is {actual[:16]}..., "
                               f"{digest_path(path).name} says {expected[:16]}... (truncated or altered since written)")
     return True
 

@@ -334,3 +334,15 @@ def test_no_updates_leaves_the_learner_idle_with_a_valid_config():
     args.no_updates = False
     cfg = load_config(ROOT / "configs" / "cartpole_ppo.json", inference_server.overrides(args, 8, "server"))
     assert cfg.trainer.rollouts_per_update == 8 and cfg.trainer.lag_policy == "pace"
+
+
+def test_checkpoint_verify_benchmark_times_both_paths_and_cleans_up(tmp_path):
+    """benchmarks/checkpoint_verify.py on a tiny state: every timing present, its files removed."""
+    import json
+    from benchmarks import checkpoint_verify
+    out = tmp_path / "ckv.json"
+    assert checkpoint_verify.main(["--params", "100000", "--repeats", "2", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["repeat"] for r in doc["records"]] == [1, 2] and doc["bytes"] == 400_000
+    assert all(r[k] > 0 for r in doc["records"] for k in ("write_bare_s", "write_digest_s", "load_bare_s", "load_verified_s"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckv.json"]
