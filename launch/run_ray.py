@@ -538,8 +538,21 @@ def _set_args(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
+def bundle_cpus(cfg) -> int:
+    """The CPUs the run's bundles ask for (learner ranks, actors, inference servers), rounded up."""
+    r = cfg.launch.ray
+    cpus = sum(r.learner_resources[i % len(r.learner_resources)].get("CPU", 0)
+               for i in range(max(1, len(cfg.learner.devices))))
+    cpus += sum(r.actor_resources[i % len(r.actor_resources)].get("CPU", 0) for i in range(cfg.actors.num_actors))
+    if cfg.actors.inference == "server":
+        from actors.inference_topology import server_devices
+        cpus += sum(r.server_resources[s % len(r.server_resources)].get("CPU", 0) for s in range(len(server_devices(cfg))))
+    return int(-(-cpus // 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.time()
     overrides = list(args.set)
     overrides += [f"actors.num_actors={args.actors}"] if args.actors else []
     overrides += [f"trainer.total_steps={args.steps}"] if args.steps else []
@@ -559,15 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = Stop()     # before the local instance starts: a signal meanwhile stops it too
     head = None
     if args.address is None:   # a local instance: its CPUs are scheduling tokens, as many as the bundles ask
-        r = cfg.launch.ray
-        cpus = sum(r.learner_resources[i % len(r.learner_resources)].get("CPU", 0)
-                   for i in range(max(1, len(cfg.learner.devices))))
-        cpus += sum(r.actor_resources[i % len(r.actor_resources)].get("CPU", 0) for i in range(cfg.actors.num_actors))
-        if cfg.actors.inference == "server":
-            from actors.inference_topology import server_devices
-            cpus += sum(r.server_resources[s % len(r.server_resources)].get("CPU", 0)
-                        for s in range(len(server_devices(cfg))))
-        head = LocalHead(out / "logs" / "ray_head.log", max(os.cpu_count() or 1, int(-(-cpus // 1))))
+        head = LocalHead(out / "logs" / "ray_head.log", max(os.cpu_count() or 1, bundle_cpus(cfg)))
         try:
             address = head.start(stop)
         except Exception as e:  # noqa: BLE001 - reported; what did start is stopped
@@ -614,8 +619,10 @@ def main(argv: list[str] | None = None) -> int:
         run.shutdown()
         detached = _end_ray(ray, head, LEARNER_STOP_S if run.head_lost else 5.0)
     summary = out / "summary.json"
-    if summary.exists():
+    if summary.exists() and summary.stat().st_mtime >= started:     # this launch's, never an earlier one's
         print(f"[launch] summary: {json.dumps(json.loads(summary.read_text()), separators=(',', ':'))}")
+    else:
+        print("[launch] no summary from this launch: the learner ended before writing one")
     print(f"[launch] done (exit {status}): {out}", flush=True)
     if detached:      # Ray's exit handlers would wait on a GCS that is gone
         sys.stderr.flush()

@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 import zmq
 
 from shared.config import ConfigError, config_from_dict
@@ -147,17 +157,6 @@ def test_sigterm_to_the_process_group_stops_the_local_ray_instance_too(tmp_path)
     and exits 143 within seconds (it used to wait 60 s for a GCS that the signal had killed, then fail
     with 1), leaving no Ray or Tandem process running."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    import os
-    import re
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-
-    import psutil
-
     from tests.children import child_pythonpath
     run, log = tmp_path / "run", tmp_path / "driver.log"
     ray_tmp = Path(tempfile.mkdtemp(prefix="rrg", dir="/tmp"))    # short: Ray's Unix sockets live under it
@@ -221,6 +220,5 @@ def test_sigterm_to_the_process_group_stops_the_local_ray_instance_too(tmp_path)
     assert not [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM", summary
-    import torch
     checkpoint = max((run / "checkpoints").glob("*.pt"))
     assert torch.load(checkpoint, weights_only=True)["version"] == summary["version"]
