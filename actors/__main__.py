@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-from shared.config import ConfigError, load_config
-from shared.console import dump_stacks_on_signal
-from shared.envs.options import check_env_config
+from shared.config import ConfigError
+from shared.envs.options import load_process_config
 from shared.transport import read_endpoints
 
 
@@ -20,19 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, help="run directory of the learner (reads endpoints.json there, unless "
                    "--endpoints says where; the inference servers' files and emulated devices' locks are there)")
     p.add_argument("--endpoints", type=Path, help="path of the learner's endpoints.json (another host: copy it)")
-    p.add_argument("--device", help="override the device (default: actors.devices[id % len])")
+    p.add_argument("--device", help="override the device (default: actors.devices[id %% len])")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set actors.num_envs=16 (repeatable)")
     p.add_argument("--learner-timeout", type=float, default=120.0,
                    help="seconds without the learner before exiting (default 120)")
     args = p.parse_args(argv)
-    dump_stacks_on_signal()
-    logging.basicConfig(level=logging.INFO, format=f"[actor {args.actor_id}] %(message)s")
-    try:
-        cfg = load_config(args.config, args.set)
-        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    cfg = load_process_config(args.config, args.set, f"[actor {args.actor_id}] %(message)s")
+    if cfg is None:
         return 2
     if not 0 <= args.actor_id < cfg.actors.num_actors:
         print(f"--actor-id {args.actor_id}: must be in 0..{cfg.actors.num_actors - 1} (actors.num_actors in "

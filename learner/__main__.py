@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
 
-from shared.config import ConfigError, load_config
-from shared.console import dump_stacks_on_signal
-from shared.envs.options import check_env_config
+from shared.config import ConfigError
+from shared.envs.options import load_process_config
 
 
 def default_run_dir(cfg) -> Path:
@@ -32,13 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set trainer.total_steps=50000 (repeatable)")
     args = p.parse_args(argv)
-    dump_stacks_on_signal()
-    logging.basicConfig(level=logging.INFO, format="[learner] %(message)s")
-    try:
-        cfg = load_config(args.config, args.set)
-        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    cfg = load_process_config(args.config, args.set, "[learner] %(message)s")
+    if cfg is None:
         return 2
     if args.resume and args.run_dir is None:
         print("--resume needs --run-dir (the run to continue)", file=sys.stderr)

@@ -593,17 +593,24 @@ class Config:
 
 # ----------------------------------------------------------------------------- parsing
 
-def _type_name(tp: Any) -> str:
+def type_words(tp: Any, literal: Callable[[Any], str] = repr, bounds: bool = False) -> str:
+    """An annotation in words (``string``, ``'a' | 'b'``, ``list of integer``); `literal` writes a
+    Literal's values, `bounds` adds an ``Annotated`` Range (``integer in [1, 512]``)."""
     if typing.get_origin(tp) is Annotated:
-        return _type_name(typing.get_args(tp)[0])
+        base, *extra = typing.get_args(tp)
+        ranges = [str(x) for x in extra if isinstance(x, Range)] if bounds else []
+        return type_words(base, literal, bounds) + (f" {' and '.join(ranges)}" if ranges else "")
     if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
+        return " | ".join(literal(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " | ".join(type_words(a, literal, bounds) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
+        return f"list of {type_words(typing.get_args(tp)[0], literal, bounds)}"
     return {type(None): "null", dict: "object", float: "number", int: "integer", bool: "boolean",
             str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+_type_name = type_words
 
 
 def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:

@@ -137,20 +137,26 @@ def render() -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def write_or_check(argv: list[str] | None, description: str, page: Path, render_page, module: str) -> int:
+    """The command of a generated page: write `page` from ``render_page()``, or with ``--check`` exit 1
+    if it differs (naming ``python -m <module>``, which rewrites it)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from what would be written")
     args = ap.parse_args(argv)
-    text = render()
+    text = render_page()
     if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python -m shared.config_reference", file=sys.stderr)
+        if not page.is_file() or page.read_text() != text:
+            print(f"{page.relative_to(ROOT)} is stale: run python -m {module}", file=sys.stderr)
             return 1
         return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text)
+    print(f"wrote {page.relative_to(ROOT)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_or_check(argv, __doc__.split("\n\n")[0], PAGE, render, "shared.config_reference")
 
 
 if __name__ == "__main__":

@@ -40,3 +40,12 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     probe.write_text("import torch\ndef f():\n    from learner.buffer import CircularBuffer\n    import actors.actor\n"
                      "    from . import keys\n")
     assert imported_packages(probe, "shared") == [(1, "torch"), (3, "learner"), (4, "actors"), (5, "shared")]
+
+
+@pytest.mark.parametrize("module", ["actors", "learner", "actors.inference", "runners.serial"])
+def test_every_process_entry_point_prints_its_help(module):
+    """--help of each process's entry point (an argparse help with a bare % once raised TypeError)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr

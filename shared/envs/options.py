@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from shared.config import ConfigError, Range, _build
+from shared.config import ConfigError, Range, _build, type_words
 
 REFERENCE = "docs/reference/envs.md"
 
@@ -207,19 +206,8 @@ def env_problems(env_id: str, cfg: dict | None) -> tuple[Any, list[str]]:
 
 
 def accepted_text(tp: Any) -> str:
-    """An option's accepted values in words: ``'ids' | 'text'``, ``integer in [1, 512]``, ..."""
-    if typing.get_origin(tp) is Annotated:
-        base, *extra = typing.get_args(tp)
-        bounds = [str(x) for x in extra if isinstance(x, Range)]
-        return accepted_text(base) + (f" {' and '.join(bounds)}" if bounds else "")
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(json.dumps(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return " | ".join(accepted_text(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"list of {accepted_text(typing.get_args(tp)[0])}"
-    return {type(None): "null", dict: "object", float: "number", int: "integer", bool: "boolean",
-            str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
+    """An option's accepted values in words: ``"ids" | "text"``, ``integer in [1, 512]``, ..."""
+    return type_words(tp, json.dumps, bounds=True)
 
 
 def default_of(f: dataclasses.Field) -> Any:
@@ -270,3 +258,23 @@ def check_env_config(cfg) -> None:
     instruction_tokenizer(cfg)   # raises where there is none, saying where it looked and what to set
     tok = InstructionTokenizer(tokenizer_path(cfg))
     tok.table(texts, options.instruction_length, f"{cfg.source}: env.cfg.instruction_length")
+
+
+def load_process_config(path: str, overrides: list[str], log_format: str):
+    """What a process's entry point does first: answer SIGUSR1 with its threads' stacks, log with its
+    prefix (`log_format`), load the config and check its ``env.cfg``. Returns the config, or None after
+    printing the one-message error (a :class:`~shared.config.ConfigError`) to stderr."""
+    import logging
+    import sys
+
+    from shared.config import load_config
+    from shared.console import dump_stacks_on_signal
+    dump_stacks_on_signal()
+    logging.basicConfig(level=logging.INFO, format=log_format)
+    try:
+        cfg = load_config(path, overrides)
+        check_env_config(cfg)   # env.cfg's keys and values, the instruction tokenizer: one message, no traceback
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return None
+    return cfg

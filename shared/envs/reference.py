@@ -10,7 +10,6 @@ written under the field, in the order the dataclasses declare them. The same dec
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import json
@@ -18,7 +17,7 @@ import sys
 import typing
 from pathlib import Path
 
-from shared.config_reference import field_docs, one_line
+from shared.config_reference import field_docs, one_line, write_or_check
 from shared.envs.options import MANISKILL, TORCH_NATIVE, ManiSkillOptions, accepted_text, default_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,19 +65,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from what would be written")
-    args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python -m shared.envs.reference", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
-    return 0
+    return write_or_check(argv, __doc__.split("\n\n")[0], PAGE, render, "shared.envs.reference")
 
 
 if __name__ == "__main__":

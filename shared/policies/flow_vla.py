@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.policies.token_checkpoints import weight_files
+from shared.policies.token_checkpoints import mismatch_text, weight_files
 from shared.policies.vla import VLALoadError, load_pretrained
 
 log = logging.getLogger("tandem.vla")
@@ -119,13 +119,8 @@ def load_heads(heads: dict[str, nn.Module], path: str | Path) -> None:
     held = {k.split(".", 1)[0] for k in saved}
     fresh = sorted(name for name in heads if name not in held)
     expected = {k for k in own if k.split(".", 1)[0] not in fresh}
-    unexpected, missing = sorted(saved.keys() - own.keys()), sorted(expected - saved.keys())
-    wrong = [f"{k}: file {tuple(saved[k].shape)}, model {tuple(own[k].shape)}"
-             for k in sorted(own.keys() & saved.keys()) if saved[k].shape != own[k].shape]
-    if unexpected or missing or wrong:
-        parts = ([f"unexpected {unexpected}"] if unexpected else []) + ([f"missing {missing}"] if missing else []) \
-            + ([f"shape mismatch: {'; '.join(wrong)}"] if wrong else [])
-        raise VLALoadError(f"{file} does not match the heads {sorted(heads)}: {', '.join(parts)}")
+    if differences := mismatch_text(saved, own, expected):
+        raise VLALoadError(f"{file} does not match the heads {sorted(heads)}: {differences}")
     with torch.no_grad():
         for k, v in saved.items():
             own[k].copy_(v)

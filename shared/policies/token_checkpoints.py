@@ -155,6 +155,17 @@ def load_token_policy(cls: type, path: str | Path, model_config: dict[str, Any])
     return policy
 
 
+
+def mismatch_text(saved: dict, own: dict, expected) -> str:
+    """How a file's tensors (`saved`) differ from a model's (`own`), of which the file must hold the
+    names in `expected`: unexpected, missing and misshapen tensors by name; "" when they fit."""
+    unexpected, missing = sorted(saved.keys() - own.keys()), sorted(set(expected) - saved.keys())
+    wrong = [f"{k}: file {tuple(saved[k].shape)}, model {tuple(own[k].shape)}"
+             for k in sorted(own.keys() & saved.keys()) if saved[k].shape != own[k].shape]
+    parts = ([f"unexpected {unexpected}"] if unexpected else []) + ([f"missing {missing}"] if missing else []) \
+        + ([f"shape mismatch: {'; '.join(wrong)}"] if wrong else [])
+    return ", ".join(parts)
+
 def _load_adapter_tensors(policy: nn.Module, path: Path) -> None:
     """The adapter's own tensors (outside ``model.``) from ``tandem_adapter.safetensors``, strictly."""
     from safetensors.torch import load_file
@@ -169,16 +180,9 @@ def _load_adapter_tensors(policy: nn.Module, path: Path) -> None:
     if unused:   # declared by the config (value_head false, e.g. GRPO from a PPO-ready checkpoint)
         log.info("%s: value_head is false, so the value head saved in %s is not used", path, file.name)
         saved = {k: v for k, v in saved.items() if k not in unused}
-    unexpected = sorted(saved.keys() - own.keys())
-    missing = sorted(own.keys() - saved.keys())
-    wrong = [f"{k}: file {tuple(saved[k].shape)}, model {tuple(own[k].shape)}"
-             for k in sorted(own.keys() & saved.keys()) if saved[k].shape != own[k].shape]
-    fresh = [k for k in missing if k in FRESH_TENSORS]
-    missing = [k for k in missing if k not in FRESH_TENSORS]
-    if unexpected or missing or wrong:
-        parts = ([f"unexpected {unexpected}"] if unexpected else []) + ([f"missing {missing}"] if missing else []) \
-            + ([f"shape mismatch: {'; '.join(wrong)}"] if wrong else [])
-        raise _error(f"{file} does not match {type(policy).__name__}'s own tensors: {', '.join(parts)}")
+    fresh = [k for k in sorted(own.keys() - saved.keys()) if k in FRESH_TENSORS]
+    if differences := mismatch_text(saved, own, own.keys() - FRESH_TENSORS):
+        raise _error(f"{file} does not match {type(policy).__name__}'s own tensors: {differences}")
     with torch.no_grad():
         for k, v in saved.items():
             own[k].copy_(v)
