@@ -178,7 +178,10 @@ def test_a_disk_filled_mid_run_ends_it_within_60_s_and_resume_goes_on_once_space
     finally:
         run.stop()
     filler.unlink()
-    resumed = launch(tmp_path, run_dir, *args, "--resume", "--steps", "200000", name=f"resume{attempt}")
+    from learner.checkpoint import load_newest_intact
+    _, last, _ = load_newest_intact(run_dir / "checkpoints")
+    resumed = launch(tmp_path, run_dir, *args, "--resume", "--steps", str(last["env_steps"] + 2048),
+                     name=f"resume{attempt}")
     out = finish(resumed, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] and summary["exit_code"] == 0, out

@@ -364,7 +364,8 @@ def test_vla_mode_runs(tmp_path):
     finish(run, run_dir)
 
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["trainer"]["buffer_type"] == "vla"
+    assert cfg["trainer"]["buffer_type"] == "async"           # "vla", the older spelling, is read as async
+    assert cfg["algorithm"]["cfg"]["correction"] == "trust"   # the default resolved for async mode
     max_lag = cfg["trainer"]["max_policy_lag"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0, summary
@@ -375,7 +376,7 @@ def test_vla_mode_runs(tmp_path):
         if e["event"] == "drop":
             assert e["reason"] in ("lag", "stale", "overwritten", "shutdown"), e
     assert_update_metrics(read_jsonl(run_dir / "metrics.jsonl"), summary["updates"])
-    assert "mode vla" in (run_dir / "logs" / "learner.log").read_text()
+    assert "mode async" in (run_dir / "logs" / "learner.log").read_text()
     # --no-eval: no evaluator process, so no evaluation at all (not even the final one)
     assert not any(k.startswith("last_eval/") for k in summary), summary
     assert not any("eval/return_mean" in m for m in read_jsonl(run_dir / "metrics.jsonl"))
