@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from shared.rollout import RolloutMeta, actor_seed, group_seeds
 from shared.rollout_ring import attach_producer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
+from shared.teardown import stop_on_signals
 from shared.transport import RESEND_AFTER_S, RolloutPusher, WeightsSubscriber
 
 log = logging.getLogger("tandem.actor")
@@ -348,12 +348,7 @@ def run_actor_process(cfg: Config, actor_id: int, endpoints: dict[str, str], dev
     if cfg.actors.nice:
         os.nice(cfg.actors.nice)
     stop = threading.Event()
-
-    def _on_signal(signum, frame):  # only set a flag: never raise inside a ZeroMQ call
-        stop.set()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    stop_on_signals(stop)
     curve = client_from_config(cfg)   # bad key files fail here, before any socket exists
     ctx = zmq.Context()
     # with an inference server, the server takes the weights: the actor needs only stop and credits

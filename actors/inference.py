@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from pathlib import Path
 
@@ -72,6 +71,7 @@ from shared.envs import env_spec
 from shared.instructions import instruction_tokenizer  # noqa: F401  (the VLA envs' import order)
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config, server_from_config
+from shared.teardown import stop_on_signals
 from shared.transport import DrainingSubscriber, WeightsSubscriber, bind, read_endpoints
 
 log = logging.getLogger("tandem.inference")
@@ -147,8 +147,7 @@ def _process_setup(cfg: Config) -> threading.Event:
     if cfg.actors.nice:   # an acting process like the actors it serves: the learner's update goes first
         os.nice(cfg.actors.nice)
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop_on_signals(stop)
     return stop
 
 

@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import secrets
-import signal
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from learner.logs import RunLogger
 from shared.config import Config, save_config
 from shared.console import say
 from shared.files import write_json_atomic
+from shared.teardown import stop_on_signals
 from shared.security import server_from_config
 from shared.transport import WeightsPublisher, bind, write_endpoints
 
@@ -105,7 +105,7 @@ class LearnerRun:
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if self.main:
             save_config(cfg, self.run_dir / "config.json")
-        install_stop_signals(self.reason, self.stop)
+        stop_on_signals(self.stop, self.reason)
         self.curve = server_from_config(cfg)   # bad key files fail here, before any socket exists
         self.ctx = zmq.Context()
         if self.curve is not None:
@@ -365,15 +365,6 @@ class LearnerRun:
                 close()
             except Exception:
                 log.exception("closing the learner's resources")
-
-
-def install_stop_signals(reason: list[str], stop: threading.Event) -> None:
-    """SIGINT and SIGTERM only note their name in `reason` and set `stop` (never raise inside a ZeroMQ call)."""
-    def _on_signal(signum, frame):
-        reason.append(signal.Signals(signum).name)
-        stop.set()
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> bool:

@@ -20,3 +20,23 @@ def exit_now(code: int | None) -> NoReturn:
     """``sys.exit(code)`` without the interpreter's slow final collections."""
     gc.freeze()
     sys.exit(code)
+
+
+def stop_on_signals(stop, noted: list[str] | None = None) -> None:
+    """SIGINT and SIGTERM set the ``threading.Event`` `stop` (and append their name to `noted`), once.
+
+    Only the first signal sets the event: a second one arriving while the first handler is inside
+    ``Event.set`` (which holds the event's lock) would otherwise wait on that lock forever in the
+    same thread. A group signal plus the launcher's own forward deliver two, close together."""
+    import signal
+    seen: list[str] = []
+
+    def on_signal(signum, frame) -> None:   # only set a flag: never raise inside a ZeroMQ call
+        first = not seen
+        seen.append(signal.Signals(signum).name)
+        if noted is not None:
+            noted.append(seen[-1])
+        if first:
+            stop.set()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)

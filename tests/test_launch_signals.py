@@ -218,3 +218,39 @@ def test_ci_runs_the_readmes_second_command():
     assert any(line in (cmds[1], f"exec {cmds[1]}") for line in ci), ci
     for cmd in cmds[:2]:
         assert os.access(ROOT / cmd, os.X_OK), f"{cmd} is not executable"
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, threading
+sys.path.insert(0, {root!r})
+from shared.teardown import stop_on_signals
+
+class Reentrant(threading.Event):
+    def set(self):                   # a second signal lands while the event's lock is held
+        with self._cond:
+            if not hasattr(self, "_once"):
+                self._once = True
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(10000):   # the handler runs here, at a bytecode boundary
+                    pass
+            self._flag = True
+            self._cond.notify_all()
+
+stop, noted = Reentrant(), []
+stop_on_signals(stop, noted)
+os.kill(os.getpid(), signal.SIGINT)
+for _ in range(10000):
+    pass
+print(stop.is_set(), noted)
+"""
+
+
+def test_a_second_signal_inside_the_first_handlers_set_does_not_deadlock():
+    """Two signals close together (a group SIGTERM and the launcher's forward): the second handler
+    runs while the first is inside Event.set, holding its lock. Only the first may call set (a plain
+    ``stop.set()`` handler hangs this process for ever)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", SECOND_SIGNAL.format(root=str(ROOT))], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "True ['SIGINT', 'SIGTERM']", (r.stdout, r.stderr)

@@ -334,8 +334,8 @@ def test_a_subscriber_keeps_the_learner_lives_it_has_heard_in_order():
         pub.send_control(kind="credit", consumed=[1], incarnation="B", version=0)
         pub.publish(TensorDict({"w": torch.zeros(2)}, []), kind="weights", version=1, incarnation="B")
         deadline = time.monotonic() + 5
-        while sub.lives != ["A", "B"] and time.monotonic() < deadline:
-            sub.newest(50)
+        while (sub.lives, sub.announced) != (["A", "B"], (1, "B")) and time.monotonic() < deadline:
+            sub.newest(50)      # the credit names life B before B's weights arrive: wait for both
         assert sub.lives == ["A", "B"] and sub.announced == (1, "B")
     finally:
         sub.close()
