@@ -11,7 +11,8 @@
 #   --out DIR         the run directory (default <trainer.output_dir>/<trainer.exp_name>/<date-time>/)
 #   --resume          continue the run in --out (default: the newest run of this config) from its newest
 #                     intact checkpoint, exactly (damaged newer ones are skipped and named)
-#   --resume-from FILE  continue the run in --out from this checkpoint; no fallback if it is damaged
+#   --resume-from FILE  continue from this checkpoint (the run in --out, default the checkpoint's own run);
+#                     no fallback if it is damaged; newer checkpoints of that run are set aside
 #   --record          store every trained batch (trainer.record=true)
 #   --no-eval         start no evaluator process
 #   --mps             run the processes under CUDA MPS
@@ -94,6 +95,12 @@ print(cfg.actors.num_actors, max(1, len(cfg.learner.devices)), servers, Path(cfg
 PYEOF
 )
 [[ "$NUM_ACTORS" -gt 0 ]] 2>/dev/null || exit 2
+if [[ -z "$OUT" && -n "$RESUME_FROM" ]]; then   # --resume-from a run's checkpoint: that run goes on
+  [[ -f "$RESUME_FROM" ]] || { echo "run_local.sh: --resume-from: $RESUME_FROM: no such file" >&2; exit 2; }
+  [[ "$(basename "$(dirname "$RESUME_FROM")")" == checkpoints ]] \
+    || { echo "run_local.sh: --resume-from $RESUME_FROM is not in a run's checkpoints/: give --out" >&2; exit 2; }
+  OUT="$(cd "$(dirname "$RESUME_FROM")/.." && pwd)"
+fi
 if [[ -z "$OUT" ]]; then
   if [[ $RESUME -eq 1 ]]; then
     OUT="$(ls -1d "$EXP_DIR"/*/ 2>/dev/null | sort | tail -n 1)"

@@ -41,7 +41,7 @@ def save_checkpoint(directory: Path, state: dict[str, Any], version: int, keep: 
     """Write ``ckpt_<version>.pt`` (temp file, fsync, rename: never half-written) and keep the newest `keep`."""
     directory = Path(directory)
     path = save_atomic(directory / f"ckpt_{version:08d}.pt", state)
-    for old in list_checkpoints(directory)[:-keep]:
+    for old in [p for p in list_checkpoints(directory) if p != path][:-(keep - 1) or None]:
         old.unlink(missing_ok=True)
         digest_path(old).unlink(missing_ok=True)
     return path
@@ -158,11 +158,37 @@ def load_newest_intact(directory: Path, map_location: str | torch.device = "cpu"
     skipped = []
     for path in reversed(found):
         try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as e:      # damaged: truncated, altered or unreadable
+            log.error("--resume: skipping %s: %s", path.name, e)
+            skipped.append(str(e))
+            continue
+        try:
             return path, load_checkpoint(path, map_location), skipped
         except CheckpointError as e:
+            if verified:   # whole as written, yet not loadable here (out of memory, another torch): stop, no fallback
+                raise
             log.error("--resume: skipping %s: %s", path.name, e)
             skipped.append(str(e))
     raise CheckpointError(f"--resume: no intact checkpoint in {directory}:\n  " + "\n  ".join(skipped))
+
+
+def set_aside_newer(chosen: Path) -> list[Path]:
+    """Move the checkpoints of `chosen`'s directory with a higher version than it (damaged ones
+    skipped by ``--resume``, or a later branch left by ``--resume-from``) into ``set_aside/``, with
+    their digests: kept for inspection, out of the rotation and of the next ``--resume``."""
+    chosen = Path(chosen)
+    newer = [p for p in list_checkpoints(chosen.parent) if _NAME.match(p.name) and
+             int(_NAME.match(p.name).group(1)) > int(_NAME.match(chosen.name).group(1))] if _NAME.match(chosen.name) else []
+    if newer:
+        aside = chosen.parent / "set_aside"
+        aside.mkdir(exist_ok=True)
+        for p in newer:
+            for f in (p, digest_path(p)):
+                if f.exists():
+                    os.replace(f, aside / f.name)
+        log.warning("set aside %d newer checkpoint(s) in %s: %s", len(newer), aside, ", ".join(p.name for p in newer))
+    return newer
 
 
 def load_policy_tensors_(policy: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -188,10 +214,14 @@ class Checkpoints:
         """``(path, state, skipped)``: `path` when given (``--resume-from``: that one or an error, no
         fallback), else the newest intact checkpoint of this run (:func:`load_newest_intact`)."""
         if path is not None:
-            return Path(path), load_checkpoint(path, map_location), []
-        if self.directory is None:
+            found = Path(path), load_checkpoint(path, map_location), []
+        elif self.directory is None:
             raise CheckpointError("--resume: this learner has no run directory")
-        return load_newest_intact(self.directory, map_location)
+        else:
+            found = load_newest_intact(self.directory, map_location)
+        if self.directory is not None and found[0].resolve().parent == self.directory.resolve():
+            set_aside_newer(found[0])
+        return found
 
     def path_for(self, version: int) -> Path | None:
         return self.directory / f"ckpt_{version:08d}.pt" if self.directory is not None else None
@@ -205,9 +235,14 @@ class Checkpoints:
         return path
 
     def last_intact(self) -> Path | None:
-        """The newest checkpoint that has its digest (for messages; loading verifies it)."""
-        found = [p for p in list_checkpoints(self.directory) if digest_path(p).exists()] if self.directory else []
-        return found[-1] if found else None
+        """The newest checkpoint that verifies against its digest (for messages; reads the files)."""
+        for p in reversed(list_checkpoints(self.directory) if self.directory else []):
+            try:
+                if verify_checkpoint(p):
+                    return p
+            except CheckpointError:
+                continue
+        return None
 
     def due(self, env_steps: int) -> bool:
         """Whether a checkpoint is due at `env_steps`."""

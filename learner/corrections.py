@@ -378,9 +378,9 @@ def make_correction(cfg: PPOConfig, now: CurrentPolicy, count: Callable[[str, in
 
 
 @add_rule
-def _correction_rule(cfg: Config) -> list[str]:
+def correction_rule(cfg: Config) -> list[str]:
     """``algorithm.cfg.correction`` at load: null becomes the mode's recommended correction, and a name
-    must be in the registry."""
+    must be in the registry. The learner applies it again to a config built in code (never loaded)."""
     alg = cfg.algorithm.cfg
     if not isinstance(alg, PPOConfig):
         return []

@@ -35,6 +35,7 @@ from tensordict import TensorDictBase
 
 from learner.batching import Batcher
 from learner.checkpoint import Checkpoints, load_policy_tensors_
+from learner.corrections import correction_rule
 from learner.disk import DISK
 from learner.counters import MAX_FAILED_UPDATES, RunCounters, SkippedSteps  # noqa: F401 (re-exported)
 from learner.cpu_threads import CpuThreads, learner_threads, uses_critic_thread  # noqa: F401 (re-exported)
@@ -48,7 +49,7 @@ from learner.training import Training
 from learner.update_log import UpdateLog
 from learner.weights_out import ListPublisher, Publisher, WeightsOut  # noqa: F401 (re-exported)
 from shared import keys
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.envs import EnvSpec, env_spec
 from shared.policies import frozen_digest, has_critic, make_policy, observation_bounds, published_state, weights_digest
 from shared.rollout import rollout_template, sends_bootstrap_obs
@@ -108,6 +109,8 @@ class Learner:
 
     def __init__(self, cfg: Config, run_dir: Path | None, publisher: Publisher, resume: bool | Path = False,
                  logger: RunLogger | None = None, discard: bool = False, ranks: Ranks | None = None):
+        if problems := correction_rule(cfg):    # a config built in code: the mode's default correction too
+            raise ConfigError("; ".join(problems))
         self.cfg, self.ranks, self.discard, self.logger = cfg, ranks, discard, logger
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.device = torch.device(cfg.learner.device)

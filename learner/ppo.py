@@ -227,10 +227,13 @@ class PPO:
                           refresh=self._refresh, step=self.step)
 
     def state_dict(self) -> dict:
+        """The reward scaler's statistics and, under its own key, what the correction keeps."""
         return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
-                **self.correction.state_dict()}
+                "correction": {"name": self.correction.name, "state": self.correction.state_dict()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.correction.load_state_dict(state)
+        saved = state.get("correction")
+        # a checkpoint from before corrections had their own key kept theirs at the top level
+        self.correction.load_state_dict(saved["state"] if isinstance(saved, dict) and "state" in saved else state)
         if self.reward_scaler is not None and state.get("reward_scaler") is not None:
             self.reward_scaler.load_state_dict(state["reward_scaler"])

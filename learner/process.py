@@ -11,6 +11,7 @@ main loop notices within one turn and the process exits non-zero with the reason
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -104,6 +105,8 @@ class LearnerRun:
             cfg.learner.device = str(self.ranks.device)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if self.main:
+            if resume:
+                warn_if_correction_changed(cfg, self.run_dir / "config.json")
             save_config(cfg, self.run_dir / "config.json")
         stop_on_signals(self.stop, self.reason)
         self.curve = server_from_config(cfg)   # bad key files fail here, before any socket exists
@@ -196,7 +199,7 @@ class LearnerRun:
         learner = self.learner
         try:
             while self.ranks is not None or (not self.stop.is_set() and not learner.finished):
-                if DISK.failed:           # the run directory cannot be written: stop (ranks: as a stop signal)
+                if DISK.failed and not self.stop.is_set():   # the run directory cannot be written: stop
                     self.stop.set()
                     if self.ranks is None:
                         break
@@ -288,9 +291,12 @@ class LearnerRun:
     def _stop_actors(self, exit_code: int) -> None:
         self.publisher.send_control(kind="stop", who="actors", incarnation=self.learner.incarnation)
 
-    def _save_final(self, exit_code: int) -> None:
+    def _save_final(self, exit_code: int) -> int | None:
         if exit_code == 0:  # after a failure the last periodic checkpoint is the one to resume from
-            self.learner.save()
+            if self.learner.save() is None and DISK.failed:   # the final checkpoint could not be written
+                say(DISK.line(self.learner.checkpoints.last_intact()))
+                return 1
+        return None
 
     def _final_eval(self, exit_code: int) -> None:
         """A last evaluation of the final weights, bounded in time (not after a signal or failure)."""
@@ -365,6 +371,19 @@ class LearnerRun:
                 close()
             except Exception:
                 log.exception("closing the learner's resources")
+
+
+def warn_if_correction_changed(cfg: Config, saved: Path) -> None:
+    """On --resume: say so when this config trains with another correction than the run's saved one
+    (an older run whose config left it unset trained with none; unset now means trust in async mode)."""
+    try:
+        before = json.loads(saved.read_text())["algorithm"]["cfg"].get("correction")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    now = getattr(cfg.algorithm.cfg, "correction", None)
+    if before is not None and now is not None and before != now:
+        log.warning("--resume: this run trained with correction %r (%s) and goes on with %r; set "
+                    "algorithm.cfg.correction=%s to keep it", before, saved, now, before)
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> bool:

@@ -7,7 +7,9 @@ update scaled with, and where each rollout came from.
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from pathlib import Path
 
 from tensordict import TensorDictBase
@@ -31,7 +33,7 @@ class BatchRecorder:
         entry = {"update": update, "version": version, "dir": name, "reward_std": reward_std,
                  "rollouts": [{k: i[k] for k in ("actor", "seq", "policy_version", "policy_version_max",
                                                  "env_steps")} for i in infos]}
-        self._guarded(self.directory / name, lambda: data.cpu().memmap(self.directory / name))
+        self._guarded(self.directory / name, lambda: _memmap_with_room(data, self.directory / name))
         self._append("index.jsonl", entry)
 
     def write_threads(self, update: int, schedule: list[list[int]]) -> None:
@@ -54,3 +56,14 @@ class BatchRecorder:
         except OSError as e:
             self.failed = True
             DISK.record(path, e)
+
+
+def _memmap_with_room(data: TensorDictBase, path: Path) -> None:
+    """``data.memmap(path)``, after checking that the disk has room: a memory-mapped file written past
+    the end of the disk dies with SIGBUS, not an OSError, so a full disk is reported here instead."""
+    need = sum(t.numel() * t.element_size() for t in data.values(include_nested=True, leaves_only=True))
+    free = shutil.disk_usage(path.parent).free
+    if free < need + (1 << 20):
+        raise OSError(errno.ENOSPC, f"No space left on device (the batch needs {need / 1e6:.1f} MB, "
+                                    f"{free / 1e6:.1f} MB free)", str(path))
+    data.cpu().memmap(path)

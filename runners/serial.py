@@ -35,6 +35,7 @@ import torch
 from tensordict import TensorDictBase
 
 from actors.rollout import Collector
+from learner.corrections import correction_rule
 from learner.disk import DISK, RunDirWriteError, catch_background_write_errors
 from learner.evaluator import eval_seed, evaluate
 from learner.learner import Learner
@@ -101,6 +102,7 @@ class SerialRunner:
     """
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, evaluate_every: int | None = None):
+        correction_rule(cfg)     # a config built in code: its config.json names the correction it trains with
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.logger = None

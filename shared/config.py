@@ -1044,4 +1044,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    """`cfg` as JSON at `path`, through a temp file and a rename (a full disk leaves no half file)."""
+    from shared.files import write_json_atomic
+    write_json_atomic(path, cfg.to_dict(), indent=2)

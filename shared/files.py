@@ -13,6 +13,10 @@ def write_json_atomic(path: str | Path, data: Any, indent: int | None = None) ->
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=indent) + "\n")
+        os.replace(tmp, path)
+    except BaseException:   # a full disk: the old file stays, and no temp file is left
+        tmp.unlink(missing_ok=True)
+        raise
     return path

@@ -23,12 +23,15 @@ def exit_now(code: int | None) -> NoReturn:
 
 
 def stop_on_signals(stop, noted: list[str] | None = None) -> None:
-    """SIGINT and SIGTERM set the ``threading.Event`` `stop` (and append their name to `noted`), once.
+    """SIGINT and SIGTERM set the ``threading.Event`` `stop` (and append their name to `noted`).
 
-    Only the first signal sets the event: a second one arriving while the first handler is inside
-    ``Event.set`` (which holds the event's lock) would otherwise wait on that lock forever in the
-    same thread. A group signal plus the launcher's own forward deliver two, close together."""
+    The handler never takes the event's lock itself: it runs in the main thread, between any two
+    bytecodes, and ``Event.set`` holds a lock that is not re-entrant, so a handler calling it while the
+    main thread was inside ``stop.set()`` (an actor or server told to stop by a message at the moment a
+    signal comes) or inside an earlier handler's ``set`` (a group signal plus the launcher's forward)
+    would wait on it for ever. The first signal sets the event from a short thread of its own."""
     import signal
+    import threading
     seen: list[str] = []
 
     def on_signal(signum, frame) -> None:   # only set a flag: never raise inside a ZeroMQ call
@@ -37,6 +40,6 @@ def stop_on_signals(stop, noted: list[str] | None = None) -> None:
         if noted is not None:
             noted.append(seen[-1])
         if first:
-            stop.set()
+            threading.Thread(target=stop.set, name="stop-on-signal", daemon=True).start()
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

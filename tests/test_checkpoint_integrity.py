@@ -162,3 +162,33 @@ def test_the_launcher_resumes_past_a_damaged_checkpoint_and_reports_only_its_own
     assert rc != 0, out
     assert f"{damaged.name}: damaged" in out and "Traceback" not in out, out
     assert "[launch] no summary from this launch" in out and "[launch] summary:" not in out, out
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    """--resume-from v1 with v2 and v3 beside it: they move to checkpoints/set_aside/ (with their
+    digests), so rotation keeps the new branch's checkpoints and the next --resume takes one of them."""
+    from learner.learner import Learner, ListPublisher
+    cfg = _learner_with_checkpoints(tmp_path, [1, 2, 3])
+    first = list_checkpoints(tmp_path / "checkpoints")[0]
+    learner = Learner(cfg, tmp_path, ListPublisher(), resume=first)
+    assert learner.version == 1 and [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [first.name]
+    aside = sorted(p.name for p in (tmp_path / "checkpoints" / "set_aside").iterdir())
+    assert aside == ["ckpt_00000002.pt", "ckpt_00000002.pt.sha256", "ckpt_00000003.pt", "ckpt_00000003.pt.sha256"]
+    learner.version = 2
+    assert learner.save().is_file()                                  # the new branch's v2, kept
+
+
+def test_rotation_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
+    for v in (10, 11, 12):
+        save_checkpoint(tmp_path, _state(v), version=v)
+    path = save_checkpoint(tmp_path, _state(5), version=5)          # lower than every one kept
+    assert path.is_file() and len(list_checkpoints(tmp_path)) == 3
+
+
+def test_a_verified_checkpoint_that_will_not_load_stops_the_resume_instead_of_falling_back(tmp_path, monkeypatch):
+    import learner.checkpoint as checkpoint
+    for v in (1, 2):
+        save_checkpoint(tmp_path, _state(v), version=v)
+    monkeypatch.setattr(checkpoint.torch, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(CheckpointError, match=r"ckpt_00000002\.pt: cannot load checkpoint: out of memory"):
+        load_newest_intact(tmp_path)

@@ -503,3 +503,20 @@ def test_a_correction_added_through_the_registry_alone_is_configurable_and_train
         CORRECTIONS.pop(HalvedIS.name)
     with pytest.raises(Exception, match="toy_halved_is"):                 # gone with its registry entry
         _stale_update(tmp_path / "after", monkeypatch, correction=HalvedIS.name)
+
+
+def test_a_corrections_checkpoint_state_round_trips_under_its_own_key_and_old_checkpoints_still_load(tmp_path,
+                                                                                                 monkeypatch):
+    """ewma's moving average is saved under state["correction"] (it cannot overwrite the learner's own
+    keys), restored by load_state_dict; a checkpoint written before that kept it at the top level."""
+    _, learner, *_ = _stale_update(tmp_path, monkeypatch, lag=1, correction="ewma")
+    state = learner.algorithm.state_dict()
+    assert state["correction"]["name"] == "ewma" and "ewma" not in state
+    saved = {k: v.clone() for k, v in learner.algorithm.correction.proximal.state_dict().items()}
+    for legacy in (False, True):
+        fresh = learner.algorithm.correction.proximal
+        for t in fresh.tensors.values():
+            t.zero_()
+        learner.algorithm.load_state_dict({"ewma": saved} if legacy else state)
+        for k, v in learner.algorithm.correction.proximal.state_dict().items():
+            torch.testing.assert_close(v, saved[k])

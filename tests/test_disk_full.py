@@ -185,3 +185,34 @@ def test_a_disk_filled_mid_run_ends_it_within_60_s_and_resume_goes_on_once_space
     out = finish(resumed, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] and summary["exit_code"] == 0, out
+
+
+def test_a_final_checkpoint_that_cannot_be_written_makes_the_run_fail(tmp_path, monkeypatch, capsys):
+    """The disk fills at the very end: the final checkpoint fails while the summary would still fit.
+    The run must not end 0 as if that checkpoint existed."""
+    import learner.process as process
+    learner = _serial(tmp_path).learner
+
+    class Run:      # the parts LearnerRun._save_final uses
+        pass
+    run = Run()
+    run.learner = learner
+    _inject(monkeypatch, "checkpoint", tmp_path)
+    assert process.LearnerRun._save_final(run, 0) == 1
+    assert "stopping: cannot write" in capsys.readouterr().out and not list(tmp_path.rglob("*.tmp"))
+    assert process.LearnerRun._save_final(run, 1) is None      # after a failure no final checkpoint is tried
+
+
+def test_a_record_that_would_not_fit_is_a_disk_failure_not_a_bus_error(tmp_path, monkeypatch):
+    """--record memory-maps each batch; writing a mapping past a full disk is SIGBUS, so the room is
+    checked first and a lack of it reported like any other full disk."""
+    import shutil as shutil_module
+    import torch
+    from tensordict import TensorDict
+    from learner.record import BatchRecorder
+    rec = BatchRecorder(tmp_path / "record")
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda p: usage._replace(free=1000))
+    rec.write(TensorDict({"obs": torch.zeros(4, 8, 100)}, [4, 8]), [], None, 1, 0)
+    assert DISK.failed and "No space left on device" in str(DISK.error) and rec.failed
+    assert not (tmp_path / "record" / "index.jsonl").exists()

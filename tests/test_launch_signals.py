@@ -220,17 +220,17 @@ def test_ci_runs_the_readmes_second_command():
         assert os.access(ROOT / cmd, os.X_OK), f"{cmd} is not executable"
 
 
-SECOND_SIGNAL = """
+SIGNAL_INSIDE_SET = """
 import os, signal, sys, threading
 sys.path.insert(0, {root!r})
 from shared.teardown import stop_on_signals
 
 class Reentrant(threading.Event):
-    def set(self):                   # a second signal lands while the event's lock is held
+    def set(self):                   # a signal lands while the event's lock is held
         with self._cond:
             if not hasattr(self, "_once"):
                 self._once = True
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.{sig})
                 for _ in range(10000):   # the handler runs here, at a bytecode boundary
                     pass
             self._flag = True
@@ -238,19 +238,23 @@ class Reentrant(threading.Event):
 
 stop, noted = Reentrant(), []
 stop_on_signals(stop, noted)
-os.kill(os.getpid(), signal.SIGINT)
+{start}
 for _ in range(10000):
     pass
-print(stop.is_set(), noted)
+print(stop.wait(10), noted)
 """
-
-
-def test_a_second_signal_inside_the_first_handlers_set_does_not_deadlock():
-    """Two signals close together (a group SIGTERM and the launcher's forward): the second handler
-    runs while the first is inside Event.set, holding its lock. Only the first may call set (a plain
-    ``stop.set()`` handler hangs this process for ever)."""
+@pytest.mark.parametrize("case", ["a second signal inside the first handler's set",
+                                  "a signal while the main thread is inside set"])
+def test_a_signal_while_the_stop_event_is_being_set_does_not_deadlock(case):
+    """Event.set holds a lock that is not re-entrant, and a signal handler runs in the main thread:
+    a group SIGTERM plus the launcher's forward lands the second handler inside the first one's set,
+    and a stop message handled by the main thread can be inside set when a signal comes. The handler
+    must not take that lock itself (a plain ``stop.set()`` handler hangs this process for ever)."""
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-c", SECOND_SIGNAL.format(root=str(ROOT))], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0 and r.stdout.strip() == "True ['SIGINT', 'SIGTERM']", (r.stdout, r.stderr)
+    first = case.startswith("a second")
+    code = SIGNAL_INSIDE_SET.format(root=str(ROOT), sig="SIGTERM",
+                                    start="os.kill(os.getpid(), signal.SIGINT)" if first else "stop.set()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    expected = "True ['SIGINT', 'SIGTERM']" if first else "True ['SIGTERM']"
+    assert r.returncode == 0 and r.stdout.strip() == expected, (r.stdout, r.stderr)
