@@ -610,9 +610,6 @@ def type_words(tp: Any, literal: Callable[[Any], str] = repr, bounds: bool = Fal
             str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-_type_name = type_words
-
-
 def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     """Check `value` against the annotation `tp`; return the converted value or append an error."""
     origin = typing.get_origin(tp)
@@ -645,15 +642,15 @@ def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
                 return converted
             tried.append(alt_errors)
         in_range = [e for e in tried if all(isinstance(x, _OutOfRange) for x in e)]
-        errors.extend(in_range[0] if in_range else [f"{path}: expected {_type_name(tp)}, got {value!r}"])
+        errors.extend(in_range[0] if in_range else [f"{path}: expected {type_words(tp)}, got {value!r}"])
         return value
     if origin is Literal:
         if value not in typing.get_args(tp):
-            errors.append(f"{path}: expected one of {_type_name(tp)}, got {value!r}")
+            errors.append(f"{path}: expected one of {type_words(tp)}, got {value!r}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            errors.append(f"{path}: expected {_type_name(tp)}, got {type(value).__name__}")
+            errors.append(f"{path}: expected {type_words(tp)}, got {type(value).__name__}")
             return []
         (item_tp,) = typing.get_args(tp)
         return [_convert(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
@@ -675,7 +672,7 @@ def _convert(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
         return int(value)
     if tp in (bool, str, dict):
         if not isinstance(value, tp):
-            errors.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            errors.append(f"{path}: expected {type_words(tp)}, got {value!r}")
         return value
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")  # a bug in this module
 
