@@ -175,6 +175,11 @@ class ActorsConfig:
     (until the learner has published that many, with the first it received). With sync_every 1 the lag
     is constant, about this + 1; sync_every K gives a sawtooth. Every version in between is kept in the
     actor's memory: fine for an MLP, not for a large model (docs/staleness.md)."""
+    actions_per_call: Annotated[int, Range(ge=0, le=4096)] = 0
+    """Action-chunk policies (``policy.chunk_size`` H > 1): how many of a call's H actions the envs
+    execute, one env step each, before the policy is called again; 0: all H. An episode that ends
+    mid-chunk stops executing its chunk. A rollout row is one call (docs/metrics.md says which
+    counters count calls and which env steps)."""
     torch_threads: Annotated[int, Range(ge=1)] = 1
     """Intra-op threads of each actor process (``torch.set_num_threads``)."""
     nice: Annotated[int, Range(ge=0, le=19)] = 0
@@ -389,6 +394,10 @@ class PolicyConfig:
     policy head, 1 on the value head, zero biases. false: torch's default initialisation."""
     vla_config: Optional[VLAConfig] = None
     """Only for name "vla"."""
+    chunk_size: Annotated[int, Range(ge=1, le=4096)] = 1
+    """Actions returned per policy call (an action chunk, H); the actor executes the first
+    ``actors.actions_per_call`` of them. 1: one action per call, as a plain policy. For "vla", H
+    actions of A tokens each are decoded in one pass (parallel decoding)."""
 
 
 @dataclass
@@ -956,6 +965,10 @@ def _check_policy(cfg: Config) -> list[str]:
                       "(package.module.Class)")
     if p.name != "vla" and p.vla_config is not None:
         errors.append(f"policy.vla_config: only used with policy.name \"vla\" (got {p.name!r})")
+    n = cfg.actors.actions_per_call
+    if p.chunk_size > 1 and n > p.chunk_size:
+        errors.append(f"actors.actions_per_call: {n} is more than the {p.chunk_size} actions a call returns "
+                      f"(policy.chunk_size)")
     return errors
 
 

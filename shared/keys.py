@@ -18,6 +18,12 @@ TERMINATED = "terminated"       # the MDP ended: no bootstrap
 TRUNCATED = "truncated"         # cut by a time limit: bootstrap from NEXT_VALUE
 DONE = "done"                   # terminated | truncated: GAE recursion stops here
 POLICY_VERSION = "policy_version"  # int64, the weight version that chose ACTION
+EXECUTED = "executed_actions"   # int64, action-chunk policies only: how many of the call's H actions
+                                # the envs executed (1..actions_per_call; fewer where an episode ended
+                                # mid-chunk). One row is one policy call (a macro step): REWARD is the
+                                # executed steps' rewards discounted within the chunk, LOG_PROB covers
+                                # the executed actions only, and the learner discounts the row by
+                                # gamma ** EXECUTED (shared/chunks.py)
 BOOTSTRAP_OBS = "bootstrap_observation"  # vla-mode PPO only (shared.rollout.sends_bootstrap_obs):
                                 # the true observation after step t where it is not OBS[t + 1]
                                 # (the final observation of a truncated step, and the observation
