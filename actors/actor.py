@@ -25,10 +25,11 @@ from actors.rollout import Collector, EnvParts, sends_bootstrap_obs
 from actors.rollout_sender import RolloutSender, RolloutSink, SendFailed
 from actors.weights_loader import WeightsLoader
 from shared import keys
+from shared.chunks import actions_per_call, env_steps_of
 from shared.config import Config, weights_at
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
-from shared.rollout import RolloutMeta, actor_seed, group_seeds
+from shared.rollout import RolloutMeta, actor_seed, group_seeds, policy_layout
 from shared.rollout_ring import attach_producer
 from shared.policies import frozen_digest, has_critic, make_policy
 from shared.security import client_from_config
@@ -89,10 +90,13 @@ class Actor:
                                    inference_latency_s=cfg.actors.inference_latency_s if local else 0.0,
                                    inference_latency_per_env_s=cfg.actors.inference_latency_per_env_s if local else 0.0,
                                    device_lock=self.emulated_device,
-                                   bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
+                                   bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)),
+                                   actions_per_call=actions_per_call(cfg, self.policy),
+                                   gamma=cfg.algorithm.cfg.gamma)
         # actors.rollout_transport "ring": rollouts go into our slots of the learner's ring, the message
         # carries only the header (shared/rollout_ring.py); the file is checked here, before any rollout
-        ring = attach_producer(cfg, self.env.spec, has_critic(self.policy), actor_id, rollout_ring)
+        ring = attach_producer(cfg, self.env.spec, has_critic(self.policy), actor_id, rollout_ring,
+                               policy_layout(self.policy))
         self.sender = RolloutSender(sink, ring, self.stop_event, lambda: self._poll(0), learner_timeout_s)
         self.seq = 0
         self.rollouts_since_sync = 0
@@ -198,7 +202,7 @@ class Actor:
     # ------------------------------------------------------------------ main loop
     def _send(self, rollout: TensorDictBase, stats, index: int) -> bool:
         meta = RolloutMeta.of(self.actor_id, self.seq, stats, policy_version=self.version,
-                              incarnation=self.incarnation, env_steps=rollout.numel(), base_digest=self.base_digest,
+                              incarnation=self.incarnation, env_steps=env_steps_of(rollout), base_digest=self.base_digest,
                               synced=self._synced, time=time.time())
         self._synced = []
         try:

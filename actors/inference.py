@@ -63,7 +63,7 @@ import zmq
 from actors.emulated_device import EmulatedInference
 from actors.inference_requests import RequestChecker
 from actors.inference_server import InferenceServer, progress_path
-from actors.inference_topology import endpoint_path, read_endpoint, server_devices, write_endpoint
+from actors.inference_topology import endpoint_path, layout_json, read_endpoint, server_devices, write_endpoint
 from actors.unix_channel import ServerChannels, socket_path
 from actors.weights_loader import WeightsLoader
 from shared.config import Config
@@ -130,7 +130,7 @@ def run_server_process(cfg: Config, server_id: int, run_dir: Path, learner_timeo
     ended = False   # by its loop; else by an exception, whose last error replies must still go out
     try:   # from the Unix socket on: whatever fails, the finally below closes what was opened
         unix = _listen_unix(server, run_dir, endpoint) if cfg.actors.server_transport == "unix" else None
-        incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest, unix)
+        incarnation = write_endpoint(path, endpoint, has_critic(policy), loader.base_digest, unix, layout_json(policy))
         log.info("inference server %d on %s for actors %s at %s (incarnation %s): batches of up to %d envs, "
                  "%.1f ms wait", server_id, device, server.actors, endpoint, incarnation, server.max_batch,
                  1000 * server.max_wait_s)

@@ -59,6 +59,8 @@ class InferenceServer:
         self.cfg, self.server_id, self.policy, self.loader = cfg, server_id, policy, loader
         self.weights, self.sock, self.stop = weights, sock, stop
         self.actors = served_actors(cfg, server_id)
+        extras = getattr(policy, "rollout_extras", None)    # an action-chunk policy's own rollout tensors
+        self.extras = tuple(extras()) if callable(extras) else ()
         self.max_batch = a.server_max_batch or a.num_envs * max(1, len(self.actors))
         self.max_wait_s = a.server_max_wait_ms / 1000.0
         # Waiting for more requests pays only while it is short next to a forward pass: the wait is
@@ -260,7 +262,7 @@ class InferenceServer:
         td = TensorDict({keys.OBS: obs}, batch_size=[obs.shape[0]])
         if kind == "act":
             out = self.policy(td)
-            outs = {k: out[k] for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE) if k in out.keys()}
+            outs = {k: out[k] for k in (keys.ACTION, keys.LOG_PROB, keys.VALUE, *self.extras) if k in out.keys()}
         else:
             outs = {keys.VALUE: self.policy.get_value(td)}
         return {k: v.cpu() for k, v in outs.items()}

@@ -14,6 +14,8 @@ import socket
 import uuid
 from pathlib import Path
 
+import torch
+
 from shared.config import Config
 from shared.files import write_json_atomic
 
@@ -56,13 +58,41 @@ def read_endpoint(path: Path) -> dict | None:
     return data
 
 
-def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str, unix: Path | None = None) -> str:
+def write_endpoint(path: Path, endpoint: str, critic: bool, base_digest: str, unix: Path | None = None,
+                   layout: dict | None = None) -> str:
     """Announce a server to its actors (atomically); returns its new incarnation. `unix`: the Unix
-    socket it also listens on (actors on this host use it)."""
+    socket it also listens on (actors on this host use it). `layout`: what the policy adds to the
+    rollout schema (:func:`layout_json`), which the actors, holding no copy of it, take from here."""
     incarnation = uuid.uuid4().hex[:12]
     info = {"endpoint": endpoint, "incarnation": incarnation, "pid": os.getpid(), "critic": critic,
-            "base_digest": base_digest}
+            "base_digest": base_digest, "layout": layout or {"chunk": 1, "extras": {}, "actions_per_call": 1}}
     if unix is not None:
         info.update(unix=str(unix), host=socket.gethostname())
     write_json_atomic(path, info)
     return incarnation
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                               torch.int32, torch.uint8, torch.bool)}
+
+
+def layout_json(policy) -> dict:
+    """A policy's rollout layout (``shared.rollout.policy_layout``) and ``actions_per_call``, as JSON."""
+    from shared.rollout import policy_layout
+    lay = policy_layout(policy)
+    return {"chunk": lay["chunk"], "actions_per_call": int(getattr(policy, "actions_per_call", 0) or lay["chunk"]),
+            "extras": {k: [list(shape), str(dtype)] for k, (shape, dtype) in lay["extras"].items()}}
+
+
+def layout_from_json(data) -> tuple[int, int, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """``(chunk, actions_per_call, extras)`` from a server's endpoint file (:func:`layout_json`);
+    a file without one (an older server): one action per call, no extras."""
+    if not isinstance(data, dict):
+        return 1, 1, {}
+    chunk, per_call, extras = data.get("chunk", 1), data.get("actions_per_call", 1), data.get("extras", {})
+    ok = (isinstance(chunk, int) and isinstance(per_call, int) and 1 <= per_call <= chunk and isinstance(extras, dict)
+          and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and v[1] in _DTYPES
+                  and all(isinstance(d, int) and d >= 0 for d in v[0]) for v in extras.values()))
+    if not ok:
+        raise ValueError(f"the inference server's endpoint file holds a malformed rollout layout: {str(data)[:200]}")
+    return chunk, per_call, {k: (tuple(v[0]), _DTYPES[v[1]]) for k, v in extras.items()}

@@ -22,7 +22,7 @@ import zmq
 from tensordict import TensorDict, TensorDictBase
 
 from actors.inference_requests import is_int
-from actors.inference_topology import read_endpoint
+from actors.inference_topology import layout_from_json, read_endpoint
 from actors.unix_channel import UnixDealer
 from shared import keys, wire
 
@@ -76,6 +76,12 @@ class RemotePolicy:
     """
 
     stamps_versions = True
+    chunk_size, actions_per_call = 1, 1        # an action-chunk policy's, from the server's endpoint file
+    extras: dict = {}
+
+    def rollout_extras(self) -> dict:
+        """The server's policy's extra rollout tensors (shared/chunks.py)."""
+        return dict(self.extras)
 
     def __init__(self, ctx: zmq.Context, path: Path, actor_id: int, with_value: bool, base_digest: str = "",
                  should_stop: Callable[[], bool] = lambda: False, timeout_s: float = 120.0, curve=None):
@@ -105,8 +111,10 @@ class RemotePolicy:
         while True:
             info = read_endpoint(Path(path))
             if info is not None:
-                return cls(ctx, path, actor_id, with_value=bool(info.get("critic")),
-                           base_digest=str(info.get("base_digest", "")), timeout_s=timeout_s, curve=curve)
+                remote = cls(ctx, path, actor_id, with_value=bool(info.get("critic")),
+                             base_digest=str(info.get("base_digest", "")), timeout_s=timeout_s, curve=curve)
+                remote.chunk_size, remote.actions_per_call, remote.extras = layout_from_json(info.get("layout"))
+                return remote
             if stop is not None and stop.is_set():
                 return None
             if time.monotonic() > deadline:

@@ -23,8 +23,9 @@ from torch import nn
 
 from actors.emulated_device import EmulatedInference, SlowEnv
 from shared import keys
+from shared.chunks import chunk_size, executed_sum
 from shared.envs.base import BatchedEnv, StepResult
-from shared.rollout import rollout_template, sends_bootstrap_obs  # noqa: F401  (the schema, re-exported)
+from shared.rollout import policy_layout, rollout_template, sends_bootstrap_obs  # noqa: F401  (the schema, re-exported)
 
 
 class EnvParts:
@@ -51,8 +52,14 @@ class EnvParts:
             outs.append(p.reset(seed=part_seed))
         return torch.cat(outs)
 
-    def step(self, action: torch.Tensor) -> StepResult:
-        return merge_steps([p.step(action[sl]) for p, sl in zip(self.parts, self.slices)])
+    @property
+    def partial_steps(self) -> bool:
+        return all(getattr(p, "partial_steps", False) for p in self.parts)
+
+    def step(self, action: torch.Tensor, active: torch.Tensor | None = None) -> StepResult:
+        if active is None:
+            return merge_steps([p.step(action[sl]) for p, sl in zip(self.parts, self.slices)])
+        return merge_steps([p.step(action[sl], active=active[sl]) for p, sl in zip(self.parts, self.slices)])
 
     def close(self) -> None:
         for p in self.parts:
@@ -96,11 +103,16 @@ class Collector:
             plus `inference_latency_per_env_s` for each env in the call.
         device_lock: an emulated inference device (:mod:`actors.emulated_device`) held for each
             acting call, forward pass and latency together; None: this actor's alone.
+        actions_per_call: an action-chunk policy (shared/chunks.py): how many of each call's H actions
+            the envs execute (0: all H); a rollout row is then one call. Ignored for one-action policies.
+        gamma: the discount applied within an executed chunk (the row's reward is
+            ``sum_j gamma^j r_j``): the learner's ``algorithm.cfg.gamma``.
     """
 
     def __init__(self, env: BatchedEnv, policy: nn.Module, num_steps: int, seed: int,
                  num_buffers: int = 2, step_delay_s: float = 0.0, inference_latency_s: float = 0.0,
-                 bootstrap_obs: bool = False, inference_latency_per_env_s: float = 0.0, device_lock=None):
+                 bootstrap_obs: bool = False, inference_latency_per_env_s: float = 0.0, device_lock=None,
+                 actions_per_call: int = 0, gamma: float = 0.99):
         # The study knobs wrap the env and the policy (actors/emulated_device.py): the loop below is
         # the same with them or without.
         if step_delay_s:   # env parts: each part is slow by its share, a whole step by the full delay
@@ -119,11 +131,14 @@ class Collector:
         pin = self.device.type == "cuda"
         self.with_value = getattr(policy, "critic", None) is not None
         self.bootstrap_obs = bootstrap_obs and self.with_value
+        layout = policy_layout(policy)
+        self.chunk, self.extras, self.gamma = layout["chunk"], list(layout["extras"]), float(gamma)
+        self.actions_per_call = min(actions_per_call or self.chunk, self.chunk)
         self._host = [rollout_template(env.spec, env.num_envs, num_steps, "cpu", pin_memory=pin,
-                                       with_value=self.with_value, with_bootstrap_obs=self.bootstrap_obs)
+                                       with_value=self.with_value, with_bootstrap_obs=self.bootstrap_obs, **layout)
                       for _ in range(num_buffers)]
         self._dev = (rollout_template(env.spec, env.num_envs, num_steps, self.device, with_value=self.with_value,
-                                      with_bootstrap_obs=self.bootstrap_obs)
+                                      with_bootstrap_obs=self.bootstrap_obs, **layout)
                      if self.device.type != "cpu" else None)
         self._next = 0
         self.obs = env.reset(seed=seed).to(self.device)
@@ -163,7 +178,8 @@ class Collector:
         if refresh is None and not self.stamps_versions:
             out[keys.POLICY_VERSION].fill_(version)
         self._to_host(out, idx)
-        self.env_steps += self.env.num_envs * self.num_steps
+        self.env_steps += (self.env.num_envs * self.num_steps if self.chunk == 1
+                           else int(self._host[idx][keys.EXECUTED].sum()))
         stats.collect_s = time.perf_counter() - t0
         stats.collect_cpu_s = time.thread_time() - c0
         return self._host[idx], stats, idx
@@ -185,10 +201,10 @@ class Collector:
             ti = time.perf_counter()
             td = self.policy(TensorDict({keys.OBS: self.obs}, batch_size=[n]))
             te = time.perf_counter()
-            step = self.env.step(td[keys.ACTION])
+            step, executed = self._execute(self.env, td[keys.ACTION])
             stats.inference_s += te - ti
             stats.env_s += time.perf_counter() - te
-            self.obs = self._record(bufs, whole, t, self.obs, td, step, stats)
+            self.obs = self._record(bufs, whole, t, self.obs, td, step, stats, executed)
         return True
 
     def _steps_in_parts(self, out: TensorDict, version: int, stats: RolloutStats, should_stop, refresh) -> bool:
@@ -207,10 +223,10 @@ class Collector:
                     ti = time.perf_counter()
                     td = policy.result(asked[j])
                     te = time.perf_counter()
-                    step = env.step(td[keys.ACTION])
+                    step, executed = self._execute(env, td[keys.ACTION])
                     stats.inference_s += te - ti
                     stats.env_s += time.perf_counter() - te
-                    obs[j] = self._record(bufs, sl, t, obs[j], td, step, stats)
+                    obs[j] = self._record(bufs, sl, t, obs[j], td, step, stats, executed)
                     if t + 1 < self.num_steps:
                         asked[j] = policy.submit("act", TensorDict({keys.OBS: obs[j]}, batch_size=[obs[j].shape[0]]))
         finally:
@@ -218,15 +234,32 @@ class Collector:
             policy.cancel()       # an abandoned rollout's requests: their replies are not waited for
         return True
 
-    def _record(self, b: dict, sl: slice, t: int, obs, td: TensorDict, step, stats: RolloutStats):
-        """Write step `t` of the envs `sl` (the acting policy's output `td`, the env's `step`) into
-        the rollout's tensors `b` (by key: no TensorDict lookups in the step loop); returns the
-        observation the next step acts on."""
+    def _execute(self, env, action: torch.Tensor) -> tuple[StepResult, torch.Tensor | None]:
+        """Step `env` with one call's `action`: one env step, or for an action chunk ``[n, H, ...]``
+        the first ``actions_per_call`` of it (a macro step, :func:`execute_chunk`). Returns the step
+        and, for a chunk, how many actions each env executed."""
+        if self.chunk == 1:
+            return env.step(action), None
+        return execute_chunk(env, action, self.actions_per_call, self.gamma)
+
+    def _record(self, b: dict, sl: slice, t: int, obs, td: TensorDict, step, stats: RolloutStats,
+                executed: torch.Tensor | None = None):
+        """Write step `t` of the envs `sl` (the acting policy's output `td`, the env's `step`; for an
+        action chunk, the macro step and the actions each env `executed`) into the rollout's tensors
+        `b` (by key: no TensorDict lookups in the step loop); returns the observation the next step
+        acts on."""
         if step.reward.device != self.device:   # CPU simulators (gymnasium) with a GPU policy
             step = self._to_device(step)
         b[keys.OBS][sl, t] = obs
         b[keys.ACTION][sl, t] = td[keys.ACTION]
-        b[keys.LOG_PROB][sl, t] = td[keys.LOG_PROB]
+        if executed is None:
+            b[keys.LOG_PROB][sl, t] = td[keys.LOG_PROB]
+        else:
+            executed = executed.to(self.device)
+            b[keys.EXECUTED][sl, t] = executed
+            b[keys.LOG_PROB][sl, t] = executed_sum(td[keys.LOG_PROB], executed)
+            for name in self.extras:
+                b[name][sl, t] = td[name]
         if self.stamps_versions:
             b[keys.POLICY_VERSION][sl, t] = td[keys.POLICY_VERSION]
         if self.with_value:
@@ -311,3 +344,51 @@ class Collector:
             self._host[idx].update_(out, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
+
+
+def execute_chunk(env, action: torch.Tensor, n: int, gamma: float) -> tuple[StepResult, torch.Tensor]:
+    """Execute the first `n` actions of the chunk `action` (``[N, H, *action]``) in `env`, one env step
+    each, as one macro step. An env whose episode ends stops executing its chunk there:
+
+    - an env that can step a subset of its envs (``partial_steps``: ``step(action, active=mask)``
+      leaves the inactive ones as they are) goes on stepping the others to `n`;
+    - otherwise the call ends for every env at the step where any episode ended (the others will
+      have executed fewer actions than `n`; nothing is stepped with an action chosen for another
+      episode).
+
+    Returns the macro step (reward ``sum_j gamma^j r_j`` over each env's executed steps; terminated,
+    truncated and ``final_obs`` of the step that ended its episode, if one did; ``obs`` what the next
+    call acts on) and the actions each env executed, ``[N]`` int64, 1..n.
+    """
+    partial = bool(getattr(env, "partial_steps", False))
+    num = action.shape[0]
+    active = executed = reward = term = trunc = final_obs = None
+    returns, lengths, successes, metrics = [], [], [], []
+    discount = 1.0
+    for j in range(n):
+        step = env.step(action[:, j]) if j == 0 or not partial else env.step(action[:, j], active=active)
+        if j == 0:
+            dev = step.reward.device
+            active = torch.ones(num, dtype=torch.bool, device=dev)
+            executed = torch.zeros(num, dtype=torch.int64, device=dev)
+            reward = torch.zeros(num, dtype=step.reward.dtype, device=dev)
+            term, trunc = torch.zeros_like(active), torch.zeros_like(active)
+            final_obs = step.final_obs.clone()
+        reward += discount * torch.where(active, step.reward, torch.zeros_like(step.reward))
+        executed += active.to(torch.int64)
+        ended = (step.terminated | step.truncated) & active
+        term |= step.terminated & active
+        trunc |= step.truncated & active
+        final_obs[active] = step.final_obs[active]
+        returns += step.episode_returns
+        lengths += step.episode_lengths
+        successes += list(step.episode_successes)
+        metrics += list(step.episode_metrics)
+        discount *= gamma
+        active = active & ~ended
+        if not bool(active.any()) or (not partial and bool(ended.any())):
+            break
+    macro = StepResult(obs=step.obs, reward=reward, terminated=term, truncated=trunc, final_obs=final_obs,
+                       episode_returns=returns, episode_lengths=lengths, episode_successes=successes,
+                       episode_metrics=metrics)
+    return macro, executed

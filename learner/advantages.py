@@ -7,7 +7,7 @@ import torch
 
 @torch.no_grad()
 def compute_gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
-                terminated: torch.Tensor, done: torch.Tensor, gamma: float, lam: float
+                terminated: torch.Tensor, done: torch.Tensor, gamma: float | torch.Tensor, lam: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE(gamma, lambda) with true bootstrapping.
 
@@ -17,7 +17,9 @@ def compute_gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Ten
             the final observation of the episode, not the auto-reset observation.
         terminated: ``[N, T]`` bool; a terminal step has no bootstrap (``next_value`` is ignored).
         done: ``[N, T]`` bool (terminated | truncated); the recursion does not cross it.
-        gamma, lam: discount and GAE lambda.
+        gamma, lam: discount and GAE lambda. `gamma` may be ``[N, T]``, each row's own: an action-chunk
+            row that executed m actions is discounted by ``gamma ** m`` (shared/chunks.py), the
+            semi-Markov form of GAE.
 
     Returns:
         ``(advantage, value_target)``, both ``[N, T]``, with ``value_target = advantage + value``.

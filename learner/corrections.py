@@ -23,6 +23,7 @@ from learner.minibatch import log_ratio
 from learner.proximal import EWMAProximal, ewma_decay_for
 from learner.vtrace import vtrace
 from shared import keys
+from shared.chunks import row_gamma
 from shared.config import Config, PPOConfig, add_rule
 
 
@@ -161,7 +162,7 @@ class Correction:
 
     def targets(self, mu, logp_now, reward, value, next_value, terminated, done, rho_bar):
         """``(advantage, value_target)``: GAE here."""
-        return compute_gae(reward, value, next_value, terminated, done, self.cfg.gamma, self.cfg.gae_lambda)
+        return compute_gae(reward, value, next_value, terminated, done, self.gamma_rows, self.cfg.gae_lambda)
 
     def weight(self, adv: torch.Tensor, rho: torch.Tensor, rho_bar: float) -> torch.Tensor:
         return adv * rho.clamp(max=rho_bar) if self.weighted else adv
@@ -184,12 +185,14 @@ class Correction:
         correction's choice stay as the first call set them."""
         a = self.cfg
         refresh = behaviour is not None
+        # each row's discount: gamma, or gamma ** executed for action-chunk rows (shared/chunks.py)
+        self.gamma_rows = row_gamma(flat, a.gamma)
         value, next_value = flat[keys.VALUE], flat[keys.NEXT_VALUE]
         terminated, done = flat[keys.TERMINATED], flat[keys.DONE]
         recompute = self.recomputes(stale)       # stale samples carry a stale critic's values
         plain = self.plain
         if plain and not recompute:
-            adv, target = compute_gae(reward, value, next_value, terminated, done, a.gamma, a.gae_lambda)
+            adv, target = compute_gae(reward, value, next_value, terminated, done, self.gamma_rows, a.gae_lambda)
             flat.set(keys.ADVANTAGE, adv)
             flat.set(keys.VALUE_TARGET, target)
             return {}, True
@@ -266,7 +269,7 @@ class VTrace(ImportanceSampling):
     def targets(self, mu, logp_now, reward, value, next_value, terminated, done, rho_bar):
         a = self.cfg
         lam = a.gae_lambda if a.vtrace_lambda is None else a.vtrace_lambda
-        target, adv, _ = vtrace(mu, logp_now, reward, value, next_value, terminated, done, a.gamma, rho_bar,
+        target, adv, _ = vtrace(mu, logp_now, reward, value, next_value, terminated, done, self.gamma_rows, rho_bar,
                                 a.c_bar, lam, weighted=False, advantage=a.vtrace_advantage)
         return adv, target
 

@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from learner.checkpoint import load_checkpoint, save_atomic
 from learner.video import FrameCapture, Frames, VideoRecorder, render_offscreen, start_video
 from shared import keys, wire
+from shared.chunks import chunk_size
 from shared.config import Config, TrainerConfig, config_from_dict
 from shared.envs import make_env
 from shared.instructions import instruction_tokenizer
@@ -60,6 +61,31 @@ def _replayed(action: torch.Tensor, n: int) -> torch.Tensor:
     return action
 
 
+class ChunkedActing:
+    """The deterministic policy's action for every env, one env step at a time: one call per step, or
+    for an action-chunk policy one call per ``actions_per_call`` steps (or sooner, after an episode
+    ended)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.chunk = chunk_size(policy) if policy is not None else 1
+        self.per_call = min(int(getattr(policy, "actions_per_call", 0) or self.chunk), self.chunk)
+        self.plan, self.pos = None, 0
+
+    def act(self, obs, n: int) -> torch.Tensor:
+        if self.chunk == 1 or self.plan is None or self.pos >= self.per_call:
+            out = self.policy(TensorDict({keys.OBS: obs}, batch_size=[n]), deterministic=True)[keys.ACTION]
+            if self.chunk == 1:
+                return out
+            self.plan, self.pos = out, 0
+        self.pos += 1
+        return self.plan[:, self.pos - 1]
+
+    def replan_if(self, ended: bool) -> None:
+        if ended:
+            self.plan = None
+
+
 @torch.inference_mode()
 def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int, *, frames: Frames | None = None,
              keep_actions: bool = False, replay: Sequence[torch.Tensor] | None = None) -> EvalResult:
@@ -71,7 +97,13 @@ def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int, 
     batch; ``evaluate(None, env, ..., frames=..., replay=those actions)`` then steps the same envs
     from the same seed with them (no policy) and renders. Each replayed batch may hold only the
     first k envs' actions (the envs are independent: the others repeat env 0's). The replay stops
-    when the actions run out or every recorded episode has ended."""
+    when the actions run out or every recorded episode has ended.
+
+    An action-chunk policy (shared/chunks.py) is called for all envs at once, and its first
+    ``actions_per_call`` actions are executed before the next call; an episode ending calls it again
+    at once for every env (the envs step in lockstep), as the actors do with envs that cannot step a
+    subset."""
+    chunks = ChunkedActing(policy)
     obs = env.reset(seed=seed)
     n = env.num_envs
     returns: list[float | None] = [None] * n
@@ -91,7 +123,7 @@ def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int, 
                 break
             action = _replayed(replay[t], n)
         else:
-            action = policy(TensorDict({keys.OBS: obs}, batch_size=[n]), deterministic=True)[keys.ACTION]
+            action = chunks.act(obs, n)
             if keep_actions:
                 actions.append(action.detach().to("cpu", copy=True))
         step = env.step(action)
@@ -107,6 +139,7 @@ def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int, 
                     env_metrics[i] = step.episode_metrics[j]
         ep_ret[done] = 0.0
         ep_len[done] = 0
+        chunks.replan_if(bool(done.any()))
         obs = step.obs
         if all(r is not None for r in returns):
             break

@@ -28,12 +28,13 @@ from torch import nn
 from learner.fast_epochs import MinibatchStep, epochs_in_mode
 from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio
 from shared import keys
+from shared.chunks import policy_fields, row_gamma
 from shared.keys import MASK
 from shared.config import GRPO_EPISODE_NEEDS_TRUNCATION, GRPOConfig
 
 
 @torch.no_grad()
-def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, gamma: float, eps: float,
+def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, gamma: float | torch.Tensor, eps: float,
                     truncate_at_first_done: bool, scale_by_std: bool = True,
                     baseline: str = "step", loss_mean: str = "step") -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantages.
@@ -41,7 +42,8 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
     Args:
         reward, done: ``[B, T]``; rows ``g * group_size ... (g + 1) * group_size - 1`` are group g.
         group_size: envs per group (B must be a multiple).
-        gamma: discount of the step-wise return-to-go (cut at every episode end).
+        gamma: discount of the step-wise return-to-go (cut at every episode end); or ``[B, T]``, each
+            row's own (``gamma ** executed`` for action-chunk rows, shared/chunks.py).
         eps: added to the within-group standard deviation.
         truncate_at_first_done: mask out every step after an env's first episode end.
         scale_by_std: divide the centred returns by the group's standard deviation (+ eps).
@@ -72,7 +74,8 @@ def grpo_advantages(reward: torch.Tensor, done: torch.Tensor, group_size: int, g
     ret = torch.empty_like(reward)
     running = torch.zeros_like(reward[:, 0])
     for t in range(t_len - 1, -1, -1):
-        running = reward[:, t] + gamma * running * (~done[:, t])
+        g = gamma[:, t] if torch.is_tensor(gamma) else gamma
+        running = reward[:, t] + g * running * (~done[:, t])
         ret[:, t] = running
     if truncate_at_first_done:
         ended_before = done.long().cumsum(1) - done.long()       # episode ends strictly before t
@@ -155,7 +158,7 @@ def grpo_update(policy: nn.Module, ref_policy: nn.Module | None, optimizer: torc
     the ``learner.compile`` step (``learner/fast_epochs.py``), None for the eager loop."""
     b = batch.reshape(-1)
     keep = b[MASK].nonzero().squeeze(-1)
-    fields = {k: b.get(k)[keep] for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.ADVANTAGE)}
+    fields = {k: b.get(k)[keep] for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.ADVANTAGE, *policy_fields(policy))}
     n = keep.numel()
     if ref_policy is not None and cfg.kl_coef > 0:
         with torch.no_grad():
@@ -202,7 +205,7 @@ class GRPO:
     def prepare(self, batch: TensorDictBase, lags: torch.Tensor, reward_std: float | None = None) -> dict[str, float]:
         """Group-relative advantages and the mask of the steps that take part, on `batch` ``[B, T]``."""
         c = self.cfg
-        adv, mask = grpo_advantages(batch[keys.REWARD], batch[keys.DONE], c.group_size, c.gamma, c.eps,
+        adv, mask = grpo_advantages(batch[keys.REWARD], batch[keys.DONE], c.group_size, row_gamma(batch, c.gamma), c.eps,
                                     c.truncate_at_first_done, c.scale_by_std, baseline=c.baseline,
                                     loss_mean=c.loss_mean)
         out = {}

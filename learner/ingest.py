@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDictBase
 
 from shared import keys, wire
+from shared.chunks import env_steps_of
 from shared.envs import EnvSpec
 from shared.metrics import clean_metrics
 from shared.policies import ids_out_of_bounds
@@ -150,6 +151,9 @@ class Intake:
         self.eval_token = eval_token
         self.expected = {k: (v.shape, v.dtype) for k, v in template.items(include_nested=True, leaves_only=True)}
         self.logp_low, self.logp_high = log_prob_bounds(spec, template[keys.LOG_PROB].dtype)
+        # action chunks (shared/chunks.py): a row's log-prob sums up to H actions' terms
+        self.chunk = template[keys.ACTION].shape[2] if keys.EXECUTED in template.keys() else 1
+        self.logp_low, self.logp_high = self.logp_low * self.chunk, self.logp_high * self.chunk
         self.max_frame_bytes, self.max_message_bytes = message_limits(template)
         self.ring = None     # a shared.rollout_ring.RolloutRing (actors.rollout_transport "ring"), set by the process
 
@@ -285,6 +289,8 @@ class Intake:
             return "rollout 'done' differs from 'terminated' | 'truncated'"
         if bool((td[keys.POLICY_VERSION] < 0).any()):
             return "rollout 'policy_version' holds negative versions"
+        if self.chunk > 1 and bool(((td[keys.EXECUTED] < 1) | (td[keys.EXECUTED] > self.chunk)).any()):
+            return f"rollout 'executed_actions' outside 1..{self.chunk} (the policy's chunk size)"
         return None
 
     def _accept(self, td: TensorDictBase, meta: dict, actor: int) -> None:
@@ -311,7 +317,7 @@ class Intake:
         lengths = lengths if isinstance(lengths, list) else []
         lengths_ok = [n for n in lengths if _is_int(n)]
         info = {"actor": actor, "seq": seq if _is_int(seq) else None, "policy_version": vmin,
-                "policy_version_max": vmax, "env_steps": td.numel(),
+                "policy_version_max": vmax, "env_steps": env_steps_of(td),
                 "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": len(lengths_ok),
                 "episode_length_mean": sum(lengths_ok) / len(lengths_ok) if lengths_ok else None,
                 "sent": float(sent) if _is_num(sent) and math.isfinite(sent) else None,
@@ -337,7 +343,7 @@ class Intake:
         # stored before counted: once the run's env steps are all in (the count), the learner's final
         # drain must find every counted rollout in the buffer, or it drops the last full batch
         self.store(td, info, other_learner)
-        self.counters.add_rollout(actor, td.numel(), now, times, episodes, successes, metrics)
+        self.counters.add_rollout(actor, info["env_steps"], now, times, episodes, successes, metrics)
 
     def note_syncs(self, actor: int, synced: Any) -> None:
         """Weight-sync delays an actor reports: ``[[version, received, first_acted], ...]`` for each

@@ -49,10 +49,11 @@ from learner.training import Training
 from learner.update_log import UpdateLog
 from learner.weights_out import ListPublisher, Publisher, WeightsOut  # noqa: F401 (re-exported)
 from shared import keys
+from shared.chunks import env_steps_of
 from shared.config import Config, ConfigError
 from shared.envs import EnvSpec, env_spec
 from shared.policies import frozen_digest, has_critic, make_policy, observation_bounds, published_state, weights_digest
-from shared.rollout import rollout_template, sends_bootstrap_obs
+from shared.rollout import policy_layout, rollout_template, sends_bootstrap_obs
 
 if TYPE_CHECKING:
     from learner.distributed import Ranks
@@ -130,7 +131,8 @@ class Learner:
             self.cpu, ranks), self.cpu, self.stats, ranks)
         self.template = rollout_template(self.spec, cfg.actors.num_envs, t.buffer_size,
                                          with_value=has_critic(self.policy),
-                                         with_bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
+                                         with_bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)),
+                                         **policy_layout(self.policy))
         self.batcher = Batcher(cfg, self.template, self.k, lambda: self.version, self._drop)
         self.version = self.env_steps_trained = self.updates = 0
         # This life of the learner: a new one after every restart (--resume too). Weights messages
@@ -283,7 +285,7 @@ class Learner:
         # Normaliser statistics move after the update, so every epoch above saw the same
         # normalisation the actors acted with: the first epoch's ratio is exactly 1.
         self.policy.update_normalizer(flat[keys.OBS], all_reduce=self.ranks.all_reduce_sum if self.ranks else None)
-        self.env_steps_trained += flat.numel() * (self.ranks.world if self.ranks else 1)
+        self.env_steps_trained += env_steps_of(flat) * (self.ranks.world if self.ranks else 1)
         self.updates += 1
         self.version += 1
         if self.ranks is not None:   # the other ranks consumed their shares in this same update

@@ -23,6 +23,7 @@ from learner.fast_epochs import MinibatchStep, epochs_in_mode
 from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio
 from learner.proximal import EWMAProximal
 from shared import keys
+from shared.chunks import policy_fields
 from shared.keys import MASK
 from shared.config import PPOConfig
 from shared.policies.normalization import RewardScaler
@@ -138,7 +139,7 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Tenso
     def read_fields() -> dict[str, torch.Tensor]:
         b = batch.reshape(-1)
         return {k: b.get(k) for k in (keys.OBS, keys.ACTION, keys.LOG_PROB, keys.VALUE, keys.ADVANTAGE,
-                                      keys.VALUE_TARGET, MASK) if k in b.keys()}
+                                      keys.VALUE_TARGET, MASK, *policy_fields(policy)) if k in b.keys()}
 
     def refreshed() -> dict[str, torch.Tensor]:
         refresh()

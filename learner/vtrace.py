@@ -13,7 +13,7 @@ from learner.minibatch import log_ratio
 @torch.no_grad()
 def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, reward: torch.Tensor,
            value: torch.Tensor, next_value: torch.Tensor, terminated: torch.Tensor, done: torch.Tensor,
-           gamma: float, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0, weighted: bool = True,
+           gamma: float | torch.Tensor, rho_bar: float = 1.0, c_bar: float = 1.0, lam: float = 1.0, weighted: bool = True,
            advantage: str = "impala") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """V-trace targets and policy-gradient advantages on ``[N, T]`` rollouts (time on the last axis).
 
@@ -26,7 +26,7 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
             truncation); ignored where ``terminated``.
         terminated: no bootstrap after this step.
         done: terminated | truncated; the traces stop here.
-        gamma: discount.
+        gamma: discount; or ``[N, T]``, each row's own (``gamma ** executed`` for action chunks).
         rho_bar, c_bar: truncation levels (``float("inf")``: none).
         lam: c_t = lam * min(c_bar, rho_t).
         weighted: False returns the advantage without its ``min(rho_bar, rho_t)`` factor (the
@@ -58,8 +58,10 @@ def vtrace(behaviour_log_prob: torch.Tensor, target_log_prob: torch.Tensor, rewa
     delta = rho_t * (reward + gamma * boot - value)
     acc = torch.zeros_like(value[..., 0])
     vs_minus_v = torch.empty_like(value)
+    trace = (gamma * c) if torch.is_tensor(gamma) else None
     for t in range(value.shape[-1] - 1, -1, -1):
-        acc = delta[..., t] + gamma * c[..., t] * not_done[..., t] * acc
+        step = gamma * c[..., t] if trace is None else trace[..., t]
+        acc = delta[..., t] + step * not_done[..., t] * acc
         vs_minus_v[..., t] = acc
     vs = value + vs_minus_v
     # v_{t+1}: the next step's target inside an episode; the bootstrap value after a done or at the end.

@@ -35,6 +35,7 @@ import torch
 from tensordict import TensorDictBase
 
 from actors.rollout import Collector
+from shared.chunks import actions_per_call, env_steps_of
 from learner.corrections import correction_rule
 from learner.disk import DISK, RunDirWriteError, catch_background_write_errors
 from learner.evaluator import eval_seed, evaluate
@@ -74,7 +75,8 @@ class SerialActor:
                             tokenizer=instruction_tokenizer(cfg))
         self.policy = make_policy(cfg, self.env.spec).to(self.device).eval()
         self.collector = Collector(self.env, self.policy, cfg.trainer.buffer_size, seed=self.seed,
-                                   bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)))
+                                   bootstrap_obs=sends_bootstrap_obs(cfg, has_critic(self.policy)),
+                                   actions_per_call=actions_per_call(cfg, self.policy), gamma=cfg.algorithm.cfg.gamma)
         self.version = -1
 
     def load(self, weights: TensorDictBase, version: int) -> None:
@@ -84,7 +86,7 @@ class SerialActor:
 
     def collect(self) -> tuple[TensorDictBase, dict]:
         rollout, stats, _ = self.collector.collect(self.version, reset_seeds=group_seeds(self.cfg, self.actor_id, self.seq))
-        meta = RolloutMeta.of(self.actor_id, self.seq, stats, policy_version=self.version, env_steps=rollout.numel())
+        meta = RolloutMeta.of(self.actor_id, self.seq, stats, policy_version=self.version, env_steps=env_steps_of(rollout))
         self.seq += 1
         return rollout, meta.to_meta()
 

@@ -68,3 +68,10 @@ def env_steps_of(rollout) -> int:
     if keys.EXECUTED in rollout.keys():
         return int(rollout[keys.EXECUTED].sum())
     return rollout.numel()
+
+
+def policy_fields(policy) -> tuple[str, ...]:
+    """The rollout keys `policy`'s ``evaluate_actions`` reads besides the observation and the action:
+    ``executed_actions`` for a chunk policy, and the extra tensors it declares (``rollout_extras()``)."""
+    extras = getattr(policy, "rollout_extras", None)
+    return ((keys.EXECUTED,) if chunk_size(policy) > 1 else ()) + (tuple(extras()) if callable(extras) else ())

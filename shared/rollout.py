@@ -29,15 +29,26 @@ def sends_bootstrap_obs(cfg, with_value: bool) -> bool:
             and cfg.algorithm.cfg.recompute_values is not False)
 
 
+def policy_layout(policy) -> dict[str, Any]:
+    """What `policy` adds to the rollout schema, as :func:`rollout_template`'s keyword arguments: its
+    chunk size and the extra per-row tensors it declares (``rollout_extras()``; shared/chunks.py)."""
+    from shared.chunks import chunk_size
+    extras = getattr(policy, "rollout_extras", None)
+    return {"chunk": chunk_size(policy), "extras": dict(extras()) if callable(extras) else {}}
+
+
 def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch.device | str = "cpu",
                      pin_memory: bool = False, with_value: bool = True,
-                     with_bootstrap_obs: bool = False) -> TensorDict:
+                     with_bootstrap_obs: bool = False, chunk: int = 1,
+                     extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> TensorDict:
     """An all-zero rollout ``[N, T]``: the schema actors fill and the learner expects.
     Without a critic (``with_value=False``) there is no ``value`` and no ``next_value``; with
-    `with_bootstrap_obs` (:func:`sends_bootstrap_obs`) there is a ``bootstrap_observation``."""
+    `with_bootstrap_obs` (:func:`sends_bootstrap_obs`) there is a ``bootstrap_observation``. An action-chunk
+    policy (`chunk` H > 1, shared/chunks.py) has one row per call: ``action`` ``[N, T, H, *action]`` and
+    ``executed_actions``; `extras` are the policy's own per-row tensors (:func:`policy_layout`)."""
     n, t = num_envs, num_steps
     act = spec.action
-    act_shape = act.shape
+    act_shape = act.shape if chunk == 1 else (chunk, *act.shape)
     act_dtype = torch.int64 if act.kind == "discrete" else torch.float32
 
     def zero_obs():
@@ -58,6 +69,10 @@ def rollout_template(spec: EnvSpec, num_envs: int, num_steps: int, device: torch
         keys.DONE: torch.zeros(n, t, dtype=torch.bool, device=device),
         keys.POLICY_VERSION: torch.zeros(n, t, dtype=torch.int64, device=device),
     }
+    if chunk > 1:
+        tensors[keys.EXECUTED] = torch.ones(n, t, dtype=torch.int64, device=device)
+    for name, (shape, dtype) in (extras or {}).items():
+        tensors[name] = torch.zeros(n, t, *shape, dtype=dtype, device=device)
     if not with_value:
         del tensors[keys.VALUE], tensors[keys.NEXT_VALUE]
     if with_bootstrap_obs:

@@ -267,9 +267,11 @@ class RolloutRing(_Mapped):
             self._close_map()
 
 
-def attach_producer(cfg, spec, with_value: bool, actor_id: int, path: str | None) -> RingProducer | None:
+def attach_producer(cfg, spec, with_value: bool, actor_id: int, path: str | None,
+                    layout: dict | None = None) -> RingProducer | None:
     """An actor's :class:`RingProducer` for ``actors.rollout_transport: "ring"`` (None with "zmq"),
-    attached to the ring at `path` (from the learner's endpoints), for this run's rollout layout."""
+    attached to the ring at `path` (from the learner's endpoints), for this run's rollout layout
+    (with `layout`, the policy's: ``shared.rollout.policy_layout``)."""
     if cfg.actors.rollout_transport != "ring":
         return None
     if path is None:
@@ -277,7 +279,7 @@ def attach_producer(cfg, spec, with_value: bool, actor_id: int, path: str | None
                         "ring (is the learner's config the same, and is it on this host?)")
     from shared.rollout import rollout_template, sends_bootstrap_obs
     template = rollout_template(spec, cfg.actors.num_envs, cfg.trainer.buffer_size, with_value=with_value,
-                                with_bootstrap_obs=sends_bootstrap_obs(cfg, with_value))
+                                with_bootstrap_obs=sends_bootstrap_obs(cfg, with_value), **(layout or {}))
     return RingProducer(path, actor_id, cfg.actors.num_actors, cfg.actors.rollout_ring_slots, template)
 
 

@@ -97,8 +97,11 @@ class GymBatchedEnv:
         self._reward_sums[i] = {}
         return clean_metrics(out)
 
-    def step(self, action: torch.Tensor) -> StepResult:
+    partial_steps = True   # step(action, active): the envs not active are left as they are (action chunks)
+
+    def step(self, action: torch.Tensor, active: torch.Tensor | None = None) -> StepResult:
         a = action.detach().cpu().numpy()
+        live = None if active is None else active.detach().cpu().numpy().astype(bool)
         if self.spec.action.kind == "box":
             # The policy's Gaussian is unbounded; the env gets the clipped action (the rollout keeps
             # the sample, so its log-prob stays exact).
@@ -109,6 +112,8 @@ class GymBatchedEnv:
         truncated = np.zeros(n, dtype=bool)
         ended: list[tuple[int, np.ndarray, dict]] = []
         for i, env in enumerate(self._envs):
+            if live is not None and not live[i]:
+                continue
             obs, r, term, trunc, info = env.step(a[i])
             reward[i], terminated[i], truncated[i] = r, term, trunc
             sums = self._reward_sums[i]
@@ -120,7 +125,7 @@ class GymBatchedEnv:
                 obs, _ = env.reset()
             self._obs_buf[i] = obs
         self._ep_return += reward
-        self._ep_length += 1
+        self._ep_length += 1 if live is None else live
         obs_t = self._obs(self._obs_buf)
         final_obs = obs_t
         returns: list[float] = []

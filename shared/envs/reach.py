@@ -176,12 +176,17 @@ class Reach:
         self._sample(all_idx, self._gen)
         return self._obs()
 
-    def step(self, action: torch.Tensor) -> StepResult:
+    partial_steps = True   # step(action, active): the envs not active are left as they are (action chunks)
+
+    def step(self, action: torch.Tensor, active: torch.Tensor | None = None) -> StepResult:
         a = action.to(self.device, torch.float32).reshape(self.num_envs, 2).clamp(-1, 1)
+        live = None if active is None else active.to(self.device, torch.bool)
+        if live is not None:
+            a = torch.where(live[:, None], a, torch.zeros_like(a))
         self.pos_before = self.pos
         self.pos = (self.pos + self.step_size * a).clamp(-1, 1)
-        self.last_action = a
-        self.t += 1
+        self.last_action = a if live is None else torch.where(live[:, None], a, self.last_action)
+        self.t += 1 if live is None else live.long()
         prev = (self.goal_position() - self.pos_before).norm(dim=-1)
         dist = (self.goal_position() - self.pos).norm(dim=-1)
         success = dist < self.success_radius
@@ -189,6 +194,8 @@ class Reach:
         reward = (prev - dist) / self.step_size + 5.0 * success.float()
         if self.reward_kind == "success":   # sparse 0/1
             reward = success.float()
+        if live is not None:   # an inactive env did not move: no reward, and its episode does not end here
+            reward, success = reward * live, success & live
         self.ep_return += reward.double()
         terminated = success
         truncated = (self.t >= self.max_episode_steps) & ~terminated

@@ -24,7 +24,10 @@ def make_policy(cfg: Config, spec: EnvSpec, describe: bool = False) -> nn.Module
     `describe`: log what a VLA adapter does to the env's inputs (one process of a run says it)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.trainer.seed)
-        return _build_policy(cfg, spec, describe)
+        policy = _build_policy(cfg, spec, describe)
+    if getattr(policy, "chunk_size", 1) > 1:   # how its chunks are executed, wherever it acts (shared/chunks.py)
+        policy.actions_per_call = cfg.actors.actions_per_call or policy.chunk_size
+    return policy
 
 
 def _build_policy(cfg: Config, spec: EnvSpec, describe: bool = False) -> nn.Module:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributions import Categorical, Normal
 
 from shared import keys
+from shared.chunks import executed_sum
 from shared.config import NetConfig, PolicyConfig
 from shared.envs.base import EnvSpec
 from shared.policies.normalization import ObsNormalizer
@@ -44,7 +45,10 @@ class ActorCritic(nn.Module):
     """Policy interface: ``forward(td, deterministic)``, ``get_value(td)``, ``evaluate_actions(td)``.
 
     Reads ``td["observation"]`` (``[*B, *obs_shape]``); writes ``action``, ``sample_log_prob``
-    (``[*B]``) and ``value`` (``[*B]``).
+    (``[*B]``) and ``value`` (``[*B]``). With ``policy.chunk_size`` H > 1 it is an action-chunk policy
+    (shared/chunks.py): one head emits H actions, ``action`` is ``[*B, H, *action]`` and
+    ``sample_log_prob`` ``[*B, H]`` per position; the learner's log-probs and entropies sum the
+    executed positions (``executed_actions``).
     """
     capturable = True   # fixed shapes, no host sync in evaluate_actions: learner.compile may capture its update
 
@@ -56,21 +60,35 @@ class ActorCritic(nn.Module):
         obs_dim = spec.obs_shape[0]
         self.obs_norm = ObsNormalizer(spec.obs_shape, clip=cfg.clip_obs) if cfg.normalize_obs else None
         self.discrete = spec.action.kind == "discrete"
-        self.actor = mlp(obs_dim, cfg.actor, spec.action.dim, 0.01, cfg.ortho_init)
+        self.chunk_size = cfg.chunk_size
+        self.actor = mlp(obs_dim, cfg.actor, spec.action.dim * self.chunk_size, 0.01, cfg.ortho_init)
         self.critic = mlp(obs_dim, cfg.critic or NetConfig(), 1, 1.0, cfg.ortho_init) if with_critic else None
         if not self.discrete:
-            self.log_std = nn.Parameter(torch.full((spec.action.dim,), float(cfg.log_std_init)))
+            self.log_std = nn.Parameter(torch.full((spec.action.dim * self.chunk_size,), float(cfg.log_std_init)))
         self._action_shape = spec.action.shape
 
     def _features(self, obs: torch.Tensor) -> torch.Tensor:
         obs = obs.to(torch.float32)
         return self.obs_norm(obs) if self.obs_norm is not None else obs
 
-    def _dist(self, x: torch.Tensor):
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The actor's output, ``[*B, H, dim]`` for a chunk policy."""
         out = self.actor(x)
+        return out if self.chunk_size == 1 else out.unflatten(-1, (self.chunk_size, -1))
+
+    def _std(self, mean: torch.Tensor) -> torch.Tensor:
+        log_std = self.log_std if self.chunk_size == 1 else self.log_std.unflatten(-1, (self.chunk_size, -1))
+        return log_std.exp().expand_as(mean)
+
+    def _summed(self, per_position: torch.Tensor, td: TensorDictBase) -> torch.Tensor:
+        """A chunk policy's per-position terms summed over the executed positions (as is otherwise)."""
+        return per_position if self.chunk_size == 1 else executed_sum(per_position, td[keys.EXECUTED])
+
+    def _dist(self, x: torch.Tensor):
+        out = self._head(x)
         if self.discrete:
             return Categorical(logits=out)
-        return Normal(out, self.log_std.exp().expand_as(out))
+        return Normal(out, self._std(out))
 
     def _log_prob(self, dist, action: torch.Tensor) -> torch.Tensor:
         if self.discrete:
@@ -81,8 +99,8 @@ class ActorCritic(nn.Module):
         """Acting with the Gaussian head, without building a ``Normal``: the same sample stream
         (``torch.normal``) and the same log-prob formula, term for term, as ``Normal.log_prob`` in
         :meth:`evaluate_actions`, so the first epoch's ratio is exactly 1. Half the cost per call."""
-        mean = self.actor(x)
-        std = self.log_std.exp().expand_as(mean)
+        mean = self._head(x)
+        std = self._std(mean)
         action = mean if deterministic else torch.normal(mean, std)
         log_prob = (-((action - mean) ** 2) / (2 * std ** 2) - std.log() - _LOG_SQRT_2PI).sum(-1)
         return action, log_prob
@@ -115,12 +133,12 @@ class ActorCritic(nn.Module):
         :meth:`_act_gaussian`'s, term for term ``Normal.log_prob``'s."""
         x = self._features(td[keys.OBS])
         if self.discrete:
-            return self._log_prob(self._dist(x), td[keys.ACTION])
-        mean = self.actor(x)
-        std = self.log_std.exp().expand_as(mean)
+            return self._summed(self._log_prob(self._dist(x), td[keys.ACTION]), td)
+        mean = self._head(x)
+        std = self._std(mean)
         action = td[keys.ACTION]
-        action = action.reshape(*action.shape[:-len(self._action_shape)], -1)
-        return (-((action - mean) ** 2) / (2 * std ** 2) - std.log() - _LOG_SQRT_2PI).sum(-1)
+        action = action.reshape(*action.shape[:-len(self._action_shape)], -1) if self._action_shape else action
+        return self._summed((-((action - mean) ** 2) / (2 * std ** 2) - std.log() - _LOG_SQRT_2PI).sum(-1), td)
 
     def evaluate_actor(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`evaluate_actions` without the critic: the log-prob and entropy of ``td["action"]``.
@@ -128,7 +146,7 @@ class ActorCritic(nn.Module):
         (``learner.critic_thread``)."""
         dist = self._dist(self._features(td[keys.OBS]))
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
-        return self._log_prob(dist, td[keys.ACTION]), entropy
+        return self._summed(self._log_prob(dist, td[keys.ACTION]), td), self._summed(entropy, td)
 
     def get_value(self, td: TensorDictBase) -> torch.Tensor:
         if self.critic is None:
@@ -142,7 +160,7 @@ class ActorCritic(nn.Module):
         dist = self._dist(x)
         entropy = dist.entropy() if self.discrete else dist.entropy().sum(-1)
         value = self.critic(x).squeeze(-1) if self.critic is not None else None
-        return self._log_prob(dist, td[keys.ACTION]), entropy, value
+        return self._summed(self._log_prob(dist, td[keys.ACTION]), td), self._summed(entropy, td), value
 
     @torch.no_grad()
     def update_normalizer(self, obs: torch.Tensor, all_reduce=None) -> None:
