@@ -242,3 +242,27 @@ def test_the_learner_trains_on_chunk_rows_and_counts_env_steps():
 def test_actions_per_call_beyond_the_chunk_is_a_config_error():
     with pytest.raises(ValueError, match="actors.actions_per_call"):
         chunk_config(h=4, n=5)
+
+
+def test_the_token_vla_decodes_a_chunk_in_one_parallel_pass():
+    from shared.policies.action_tokens import PaliGemmaActionTokenPolicy
+    from shared.policies.vla import VLAPolicy
+    from shared.config import VLAConfig
+    torch.manual_seed(0)
+    model = PaliGemmaActionTokenPolicy("tiny", action_dim=2, chunk_size=4)
+    policy = VLAPolicy(model, VLAConfig(model_class="x"))
+    env = Reach(3)
+    td = policy(TensorDict({keys.OBS: env.reset(seed=0)}, batch_size=[3]))
+    assert policy.chunk_size == 4
+    assert td[keys.ACTION].shape == (3, 4, 2) and td[keys.LOG_PROB].shape == (3, 4)
+    # the 8 action tokens come from one forward pass: its logits at the 8 placeholder positions
+    dist = model.action_dist(td[keys.OBS])
+    per_pos = dist.log_prob(td[keys.ACTION])
+    assert torch.allclose(per_pos, td[keys.LOG_PROB], atol=1e-5)
+    td[keys.EXECUTED] = torch.tensor([1, 3, 4])
+    logp, entropy, value = policy.evaluate_actions(td)
+    assert logp.tolist() == pytest.approx([per_pos[0, :1].sum().item(), per_pos[1, :3].sum().item(),
+                                           per_pos[2].sum().item()], abs=1e-5)
+    assert entropy.shape == (3,) and value.shape == (3,)
+    with pytest.raises(ValueError, match="parallel"):
+        PaliGemmaActionTokenPolicy("tiny", action_dim=2, chunk_size=4, decoding="autoregressive")

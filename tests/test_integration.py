@@ -596,10 +596,11 @@ def test_learner_refuses_bad_messages(tmp_path):
 @pytest.mark.slow
 def test_grpo_run_local(tmp_path):
     """configs/cartpole_grpo.json through the launcher: critic-free rollouts cross the wire and
-    the learner publishes a version per update."""
+    the learner publishes a version per update. The policy returns chunks of 3 actions and the envs
+    execute 2: GRPO's group returns run over macro steps."""
     run_dir = tmp_path / "run"
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "cartpole_grpo.json"), "--steps", "24000",
-                 "--set", "trainer.eval_freq=0")
+                 "--set", "trainer.eval_freq=0", "--set", "policy.chunk_size=3", "--set", "actors.actions_per_call=2")
     finish(run, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["updates"] >= 2, summary
@@ -631,14 +632,16 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     actors act through one server, each with its envs in two parts (two requests in flight); the
     server is killed (SIGKILL) after the second update, the launcher restarts it, the actors re-send
     every request in flight to the new one, and the run ends normally. Every
-    consumed rollout's steps were acted within the lag the run allows."""
+    consumed rollout's steps were acted within the lag the run allows. The model decodes action
+    chunks (H = 4 actions of 2 tokens in one parallel pass) and the envs execute 3 of each: the
+    server serves chunks and the learner counts env steps, not calls."""
     run_dir = tmp_path / "run"
     stale = run_dir / "inference" / "server_0.progress.json"   # an earlier run's, in the same directory
     stale.parent.mkdir(parents=True)
     stale.write_text('{"batches": 1000000000}\n')
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
                  "--steps", "4096", "--set", "trainer.eval_freq=0", "--set", "actors.inference=server",
-                 "--set", "actors.server_splits=2")
+                 "--set", "actors.server_splits=2", "--set", "policy.chunk_size=4", "--set", "actors.actions_per_call=3")
     killed: list[int] = []
 
     def kill_once() -> None:
@@ -665,6 +668,8 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     events = read_jsonl(run_dir / "versions.jsonl")
     assert_versions_publish_sequence(events, start=0)
     assert_consume_lags(events, max_lag=2)
+    rows = 8 * 16   # num_envs x buffer_size calls per rollout; each call executed 1 to 3 env steps
+    assert all(rows < e["env_steps"] <= 3 * rows for e in consumes(events)), consumes(events)
     # a fresh launch counts its server's TensorBoard steps from 0, not from the earlier run's
     assert not stale.exists() or json.loads(stale.read_text())["batches"] < 1000000000
 

@@ -49,8 +49,13 @@ def _build_vla(cfg: Config, spec: EnvSpec, describe: bool) -> nn.Module:
     from shared.policies.token_checkpoints import policy_copy
     from shared.policies.vla import VLALoadError, VLAPolicy, load_vla_model
     v = cfg.policy.vla_config
+    h = cfg.policy.chunk_size
+    model_config = v.model_config if h == 1 or "chunk_size" in v.model_config else {**v.model_config, "chunk_size": h}
     with contextlib.nullcontext() if describe else policy_copy():   # a fresh value head: said where it trains
-        model = load_vla_model(v.model_path, v.model_class, v.model_config)
+        model = load_vla_model(v.model_path, v.model_class, model_config)
+    if int(getattr(model, "chunk_size", 1) or 1) != h:
+        raise VLALoadError(f"{cfg.source}: policy.chunk_size is {h}, but the model (vla_config.model_class "
+                           f"{v.model_class}) returns {getattr(model, 'chunk_size', 1)} action(s) per call")
     action_dim = getattr(model, "action_dim", None)
     if spec is not None and isinstance(action_dim, int) and spec.action.kind == "box" and action_dim != spec.action.dim:
         raise VLALoadError(f"{cfg.source}: vla_config.model_config.action_dim is {action_dim} (model at "

@@ -319,6 +319,9 @@ class ActionTokenPolicy(nn.Module):
         binning: how bins map to action values, ``"centres"`` (default) or ``"openvla"``
             (:class:`ActionBins`): use the convention the checkpoint was pretrained with. ``proprio``
             is tokenised with the same one.
+        chunk_size: H, actions per call (an action chunk, shared/chunks.py): ``H x D`` placeholder
+            tokens decoded in one parallel pass, as OpenVLA-OFT does; the distribution is then
+            ``[*B, H]`` categoricals-per-dim. Needs ``decoding="parallel"``.
     Raises:
         ValueError: every inconsistent setting at once (unknown decoding, a block outside the
             vocabulary, a special token inside the block, ...), each with the fix.
@@ -335,7 +338,7 @@ class ActionTokenPolicy(nn.Module):
                  image_size: int | None = None, bos_token_id: int | None = None,
                  sep_token_id: int = GEMMA_NEWLINE_ID, placeholder_token_id: int | None = None,
                  instruction_pad_id: int | None = 0, proprio_bounds: Sequence[float] | None = (-1.0, 1.0),
-                 temperature: float = 1.0, binning: str = "centres"):
+                 temperature: float = 1.0, binning: str = "centres", chunk_size: int = 1):
         super().__init__()
         # Every keyword but the model, as given: what save_pretrained writes to tandem_adapter.json.
         self._adapter_kwargs = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
@@ -348,6 +351,12 @@ class ActionTokenPolicy(nn.Module):
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         vocab, hidden = head.weight.shape
         self.action_dim, self.decoding, self.n_bins = action_dim, decoding, n_bins
+        if not (isinstance(chunk_size, int) and chunk_size >= 1):
+            raise ValueError(f"ActionTokenPolicy: chunk_size must be a positive int, got {chunk_size!r}")
+        if chunk_size > 1 and decoding != "parallel":
+            raise ValueError(f"ActionTokenPolicy: chunk_size {chunk_size} needs decoding=\"parallel\" (the H x "
+                             f"action_dim tokens of a chunk are decoded in one pass), got {decoding!r}")
+        self.chunk_size = chunk_size
         self.token_offset = vocab - n_bins - reserve_tail if token_offset is None else token_offset
         self.bos_token_id = getattr(text_cfg, "bos_token_id", None) if bos_token_id is None else bos_token_id
         self.sep_token_id = sep_token_id
@@ -566,13 +575,14 @@ class ActionTokenPolicy(nn.Module):
         prompt = self._prompt(obs)
         n, p = prompt.input_ids.shape
         if self.decoding == "parallel":
-            ids = torch.cat([prompt.input_ids, prompt.input_ids.new_full((n, self.action_dim),
-                                                                         self.placeholder_token_id)], 1)
-            mask = torch.cat([prompt.attention_mask, prompt.attention_mask.new_ones(n, self.action_dim)], 1)
-            h, _ = self._run(ids, mask, prompt.pixel_values, n_prefix=p)            # [N, P + D, H]
+            tokens = self.chunk_size * self.action_dim
+            ids = torch.cat([prompt.input_ids, prompt.input_ids.new_full((n, tokens), self.placeholder_token_id)], 1)
+            mask = torch.cat([prompt.attention_mask, prompt.attention_mask.new_ones(n, tokens)], 1)
+            h, _ = self._run(ids, mask, prompt.pixel_values, n_prefix=p)            # [N, P + H*D, hidden]
             self._keep(obs, h[:, p - 1])
-            logp = self._bin_logp(h[:, p:])                                        # [N, D, n_bins]
-            return ActionTokenDistribution(logp.reshape(*prompt.batch_shape, self.action_dim, self.n_bins),
+            logp = self._bin_logp(h[:, p:])                                        # [N, H*D, n_bins]
+            chunk = (self.chunk_size,) if self.chunk_size > 1 else ()
+            return ActionTokenDistribution(logp.reshape(*prompt.batch_shape, *chunk, self.action_dim, self.n_bins),
                                            self.bins)
         h, cache = self._run(prompt.input_ids, prompt.attention_mask, prompt.pixel_values, n_prefix=p,
                              use_cache=True)

@@ -80,6 +80,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from shared import keys
+from shared.chunks import executed_sum
 from shared.config import LoRAConfig, VLAConfig
 
 log = logging.getLogger("tandem.vla")
@@ -484,6 +485,8 @@ class VLAPolicy(nn.Module):
             with_critic = callable(getattr(model, "value", None))
         # PPO needs a value head; has_critic() reads this attribute.
         self.critic = self.model if with_critic else None
+        # an action-chunk model (shared/chunks.py): H actions per call, log-probs per position
+        self.chunk_size = int(getattr(model, "chunk_size", 1) or 1)
 
     @property
     def peft_model(self):
@@ -529,9 +532,11 @@ class VLAPolicy(nn.Module):
         if absent:
             raise RuntimeError(f"{type(self.model).__name__}.forward did not add {absent} to the TensorDict "
                                f"(seed interface: action, sample_log_prob and, with a critic, value)")
-        if out[keys.LOG_PROB].shape != td.batch_size:
+        want = (*td.batch_size, self.chunk_size) if self.chunk_size > 1 else tuple(td.batch_size)
+        if tuple(out[keys.LOG_PROB].shape) != want:
             raise RuntimeError(f"{type(self.model).__name__}.forward: sample_log_prob has shape "
-                               f"{tuple(out[keys.LOG_PROB].shape)}, expected the batch {tuple(td.batch_size)}")
+                               f"{tuple(out[keys.LOG_PROB].shape)}, expected {want} (the batch"
+                               f"{', and one per chunk position' if self.chunk_size > 1 else ''})")
         td.set(keys.ACTION, out[keys.ACTION])
         td.set(keys.LOG_PROB, out[keys.LOG_PROB].float())
         if self.critic is not None:
@@ -555,7 +560,10 @@ class VLAPolicy(nn.Module):
             obs = td[keys.OBS]
             dist = self.model.action_dist(obs)
             value = self.model.value(obs).float() if self.critic is not None else None
-            return dist.log_prob(td[keys.ACTION]).float(), dist.entropy().float(), value
+            logp, entropy = dist.log_prob(td[keys.ACTION]).float(), dist.entropy().float()
+            if self.chunk_size > 1:   # the positions the envs executed (shared/chunks.py)
+                logp, entropy = executed_sum(logp, td[keys.EXECUTED]), executed_sum(entropy, td[keys.EXECUTED])
+            return logp, entropy, value
 
     def update_normalizer(self, obs, all_reduce=None) -> None:
         """A seed-interface model's own normaliser is updated; VLA models otherwise normalise their inputs."""
