@@ -1,8 +1,8 @@
-"""π0 (transformers' ``PI0ForConditionalGeneration``) as the base of a flow-matching RL policy: the first slice.
+"""π0 (transformers' ``PI0ForConditionalGeneration``) as the base of a flow-matching RL policy: loading and
+model plumbing.
 
 Tandem does not write its own π0: the model is transformers' (a PaliGemma VLM and a Gemma action expert
-with joint attention). This module adds only what RL needs on top of it, and nothing is wired into the
-actor, the learner, the config schema or the launcher yet.
+with joint attention). This module adds only what RL needs on top of it.
 
 Conventions (transformers'): x_1 is noise, x_0 the action chunk; the model predicts v ≈ ε − a; K Euler
 steps of size Δ = 1/K at t_k = 1 − kΔ, x_{k+1} = x_k − Δ·v(x_k, t_k). A chain is ``[B, K+1, H, A]`` with
@@ -19,17 +19,17 @@ What it covers:
   :func:`shared.policies.vla.load_pretrained`). Tandem's own small heads (``value_head``, ``noise_head``)
   live in ``tandem_heads.safetensors`` beside the checkpoint and are loaded as strictly; a head that no
   file holds is the one allowed exception: it starts as built, and that is logged once.
-* :func:`encode_prefix`, :func:`velocity`, :func:`ode_chain` and :func:`velocities_at`: the prefix (images
-  and instruction through the VLM) is computed once per call into a KV cache, and each of the K expert
-  passes attends to it, the cache cropped back to the prefix after each pass (as ``sample_actions``
-  does). ``ode_chain`` returns the deterministic chain and its velocities; ``velocities_at`` recomputes
-  the velocities at given chain states and times from one prefix cache, with gradients (the learner's
-  side).
+* :func:`encode_prefix`, :func:`expert_pass`, :func:`velocity`, :func:`ode_chain` and
+  :func:`velocities_at`: the prefix (images and instruction through the VLM) is computed once per call
+  into a KV cache, and each of the K expert passes attends to it, the cache cropped back to the prefix
+  after each pass (as ``sample_actions`` does). ``expert_pass`` also returns the expert's output per
+  action token (what Tandem's noise and value heads read). ``ode_chain`` returns the deterministic chain
+  and its velocities; ``velocities_at`` recomputes the velocities at given chain states and times from one
+  prefix cache, with gradients (the learner's side).
 * :func:`pi0_inputs`: Tandem observations to the model's inputs (see there), :func:`env_actions`.
 
-Still to come: action chunks in the actor (one macro step per call), the chain's log-likelihood under
-Flow-Noise / Flow-SDE (learned or fixed noise per step, the ``noise_head``), the value head's use in PPO,
-LoRA on the VLM and the expert, and batching the K recomputed expert passes into one.
+The RL policy built on these (Flow-Noise and Flow-SDE chains, their log-likelihoods, the value head,
+LoRA) is :class:`shared.policies.flow_policy.FlowVLAPolicy`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def load_pi0(model_path: str | Path, heads: dict[str, nn.Module] | None = None,
         model_path: a directory with ``config.json`` and ``model.safetensors`` (or shards and their
             index), in transformers' ``save_pretrained`` layout or LeRobot's; never fetched from a hub.
         heads: Tandem's own heads by name (``value_head``, ``noise_head``), built by the caller; their
-            tensors are loaded in place from ``tandem_heads.safetensors`` (see :func:`load_heads`).
+            tensors are loaded in place from ``tandem_heads.safetensors`` (see :func:`load_heads`). None:
+            that file is not read (a caller that builds its heads after the model loads them itself).
         backbone_kwargs: more keywords for ``from_pretrained`` (e.g. ``{"torch_dtype": torch.float32}``).
 
     Raises:
@@ -90,16 +91,18 @@ def load_pi0(model_path: str | Path, heads: dict[str, nn.Module] | None = None,
     except VLALoadError as e:   # transformers names tensors as the model has them: say which file was read
         raise VLALoadError(f"{e} (weights: {weight_files(path)}; LeRobot's names are mapped by transformers' "
                            f"key mapping for pi0)") from None
-    load_heads(heads or {}, path)
+    if heads is not None:
+        load_heads(heads, path)
     return model.eval()
 
 
-def load_heads(heads: dict[str, nn.Module], path: str | Path) -> None:
+def load_heads(heads: dict[str, nn.Module], path: str | Path, announce: bool = True) -> None:
     """Load Tandem's heads in place from ``<path>/tandem_heads.safetensors`` (keys ``<head>.<tensor>``).
 
     Every tensor in the file must belong to a given head, with the same shape, and a head in the file
     must be there whole. A head that the file does not hold at all (or no file) keeps the values it was
-    built with: a fresh head, logged once.
+    built with: a fresh head, logged once (a warning where `announce`, else at debug level: a policy copy
+    that takes the learner's weights before it acts need not say it).
 
     Raises:
         VLALoadError: a head name outside ``HEAD_NAMES``, an unreadable file, or tensors that do not
@@ -125,7 +128,7 @@ def load_heads(heads: dict[str, nn.Module], path: str | Path) -> None:
         for k, v in saved.items():
             own[k].copy_(v)
     if fresh:
-        _once(f"fresh:{Path(path).resolve()}:{fresh}", logging.WARNING,
+        _once(f"fresh:{Path(path).resolve()}:{fresh}", logging.WARNING if announce else logging.DEBUG,
               "%s: no %s in %s: %s start%s fresh, as built", path, " or ".join(fresh), HEADS_FILE,
               " and ".join(fresh), "s" if len(fresh) == 1 else "")
 
@@ -229,32 +232,46 @@ class Prefix:
     cache: Any                  # transformers' Cache, cropped back to `length` after each expert pass
     length: int
     inputs: PI0Inputs
+    hidden: torch.Tensor        # [B, L, vlm hidden] the VLM's last hidden state over the prefix
 
 
 def encode_prefix(model: nn.Module, inputs: PI0Inputs) -> Prefix:
     """Run the VLM once over the prefix (as ``sample_actions`` does) and keep its cache."""
     position_ids = inputs.attention_mask.cumsum(-1) - 1
     embeds = model.model.embed_prefix(inputs.input_ids, inputs.pixel_values, inputs.pixel_attention_mask)
-    cache = model.model.vlm(inputs_embeds=embeds, attention_mask=inputs.attention_mask, position_ids=position_ids,
-                            token_type_ids=torch.zeros_like(embeds)[:, :, 0], use_cache=True).cache
-    return Prefix(cache=cache, length=cache.get_seq_length(), inputs=inputs)
+    out = model.model.vlm(inputs_embeds=embeds, attention_mask=inputs.attention_mask, position_ids=position_ids,
+                          token_type_ids=torch.zeros_like(embeds)[:, :, 0], use_cache=True)
+    return Prefix(cache=out.cache, length=out.cache.get_seq_length(), inputs=inputs, hidden=out.last_hidden_state)
 
 
-def velocity(model: nn.Module, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
-    """v(x_t, t) ``[B, H, A]``: one expert pass over the state and x_t, attending to the prefix cache.
+def expert_pass(model: nn.Module, prefix: Prefix, x_t: torch.Tensor,
+                t: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert pass over the state and x_t, attending to the prefix cache: ``(v, hidden)``.
 
-    `t` is a float or ``[B]``. The cache is cropped back to the prefix afterwards, so passes do not see
-    each other.
+    The steps of ``PI0ForConditionalGeneration.forward`` with a cache (embed state, x_t and t; the expert;
+    ``action_out_proj``), keeping the expert's output per action token for Tandem's heads. `t` is a float
+    or ``[B]``; `x_t` is cast to the model's dtype. The cache is cropped back to the prefix afterwards, so
+    passes do not see each other.
+
+    Returns:
+        ``v`` ``[B, H, A]`` (the model's velocity) and ``hidden`` ``[B, H, expert hidden]``.
     """
     inputs = prefix.inputs
     if not torch.is_tensor(t) or t.dim() == 0:
         t = torch.full((x_t.shape[0],), float(t), dtype=torch.float32, device=x_t.device)
-    out = model(state=inputs.state, noise=x_t, timestep=t.to(torch.float32),
-                pixel_attention_mask=inputs.pixel_attention_mask, attention_mask=inputs.attention_mask,
-                cache=prefix.cache)
+    dtype = model.action_out_proj.weight.dtype
+    embeds = model.embed_action_time(inputs.state, x_t.to(dtype), t.to(torch.float32))
+    out = model.model(action_embeds=embeds, attention_mask=inputs.attention_mask,
+                      pixel_attention_mask=inputs.pixel_attention_mask, cache=prefix.cache)
     # this version's crop takes the (negative) number of tokens to drop: the pass's 1 + H
     prefix.cache.crop(prefix.length - prefix.cache.get_seq_length())
-    return out.logits
+    hidden = out.last_hidden_state[:, -model.config.chunk_size:]
+    return model.action_out_proj(hidden), hidden
+
+
+def velocity(model: nn.Module, prefix: Prefix, x_t: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
+    """v(x_t, t) ``[B, H, A]``: :func:`expert_pass`'s velocity alone."""
+    return expert_pass(model, prefix, x_t, t)[0]
 
 
 def step_times(num_steps: int) -> list[float]:
