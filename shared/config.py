@@ -374,10 +374,53 @@ class VLAConfig:
 
 
 @dataclass
+class FlowConfig:
+    """π0 (transformers' ``PI0ForConditionalGeneration``) fine-tuned with RL (``shared/policies/flow_policy.py``)."""
+    model_path: str = ""
+    """A local π0 directory (``save_pretrained``'s layout or LeRobot's); Tandem's value and noise heads are
+    read from its ``tandem_heads.safetensors`` and start fresh where it has none. Never fetched from a hub."""
+    method: Optional[Literal["noise", "sde"]] = None
+    """How the denoising chain explores. noise (Flow-Noise): every step Gaussian with a learned std. sde
+    (Flow-SDE): one step per call, drawn per row, is stochastic with a fixed std, the others are ODE steps.
+    null: noise for PPO, sde for GRPO."""
+    num_steps: Optional[Annotated[int, Range(ge=1, le=1000)]] = None
+    """Denoising steps K per call. null: the checkpoint's ``num_inference_steps``."""
+    noise_std_min: Annotated[float, Range(gt=0)] = 0.08
+    """Flow-Noise: the smallest std the noise head can give (a tanh maps its output into [min, max])."""
+    noise_std_max: Annotated[float, Range(gt=0)] = 0.16
+    """Flow-Noise: the largest std the noise head can give; equal to noise_std_min: a fixed std."""
+    noise_level: Annotated[float, Range(gt=0)] = 0.5
+    """Flow-SDE: a in sigma_t = a sqrt(t / (1 - t)); the stochastic step's std is sigma_t sqrt(1/K). At
+    t = 1 the denominator's t is the next time, 1 - 1/K (Flow-GRPO's convention): the first step's std is a."""
+    value_from: Literal["expert", "prefix"] = "expert"
+    """What the value head (PPO only) reads. expert: the expert's output mean-pooled over the action
+    tokens, from a pass at x = 0, t = 1 (pi0). prefix: the VLM's output mean-pooled over the prompt (pi0.5)."""
+    value_hidden_sizes: list[Annotated[int, Range(ge=1)]] = field(default_factory=lambda: [128, 128])
+    """Hidden layer widths of the value head (a ReLU MLP)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype of the model (the value and noise heads stay float32)."""
+    autocast: bool = False
+    """Run forward passes under ``torch.autocast`` in bfloat16 (where the device supports it)."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name prefixes of the model to freeze (e.g. ``["model.vlm."]``): not trained."""
+    lora: Optional[LoRAConfig] = None
+    """Train low-rank adapters instead of the model's own weights; its target_modules are matched inside
+    lora_scope (by default, the expert's q_proj and v_proj). null: no adapters, the model trains whole."""
+    lora_scope: Literal["expert", "expert_and_vlm"] = "expert"
+    """Where LoRA's target_modules are looked for: the action expert (``model.dit``), or it and the VLM
+    (``model.vlm``, vision tower included); layer names such as q_proj exist in both."""
+    tokenizer: str = ""
+    """The model's tokenizer for text instructions: a ``tokenizer.json`` or a directory holding one.
+    Empty: ``model_path``'s, when it has one."""
+    instruction_pad_id: Optional[Annotated[int, Range(ge=0)]] = 0
+    """Instruction ids equal to this are padding, masked out of attention. null: mask nothing."""
+
+
+@dataclass
 class PolicyConfig:
-    name: Literal["actor_critic", "actor_only", "vla"] = "actor_critic"
+    name: Literal["actor_critic", "actor_only", "vla", "flow_vla"] = "actor_critic"
     """actor_critic: MLP actor and critic (PPO). actor_only: no critic (GRPO). vla: a pretrained model
-    (``vla_config``)."""
+    (``vla_config``). flow_vla: a π0 flow-matching model (``flow_config``) acting in chunks."""
     actor: NetConfig = field(default_factory=NetConfig)
     """The actor (policy) network of actor_critic and actor_only."""
     critic: Optional[NetConfig] = field(default_factory=NetConfig)
@@ -394,6 +437,8 @@ class PolicyConfig:
     policy head, 1 on the value head, zero biases. false: torch's default initialisation."""
     vla_config: Optional[VLAConfig] = None
     """Only for name "vla"."""
+    flow_config: Optional[FlowConfig] = None
+    """Only for name "flow_vla"."""
     chunk_size: Annotated[int, Range(ge=1, le=4096)] = 1
     """Actions returned per policy call (an action chunk, H); the actor executes the first
     ``actors.actions_per_call`` of them. 1: one action per call, as a plain policy. For "vla", H
@@ -957,18 +1002,37 @@ def _check_policy(cfg: Config) -> list[str]:
     p = cfg.policy
     errors: list[str] = []
     if cfg.algorithm.name == "ppo" and (p.name == "actor_only" or (p.name == "actor_critic" and p.critic is None)):
-        errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block, or a "
-                      f"\"vla\" model with a value head (got name {p.name!r}"
+        errors.append(f"policy.name: PPO needs a critic: use \"actor_critic\" with a policy.critic block, a "
+                      f"\"vla\" model with a value head, or \"flow_vla\" (got name {p.name!r}"
                       f"{', critic null' if p.critic is None else ''})")
     if p.name == "vla" and (p.vla_config is None or not p.vla_config.model_class):
         errors.append("policy.vla_config.model_class: policy.name \"vla\" needs the model's import path "
                       "(package.module.Class)")
     if p.name != "vla" and p.vla_config is not None:
         errors.append(f"policy.vla_config: only used with policy.name \"vla\" (got {p.name!r})")
+    errors += _check_flow_policy(p)
     n = cfg.actors.actions_per_call
     if p.chunk_size > 1 and n > p.chunk_size:
         errors.append(f"actors.actions_per_call: {n} is more than the {p.chunk_size} actions a call returns "
                       f"(policy.chunk_size)")
+    return errors
+
+
+def _check_flow_policy(p: PolicyConfig) -> list[str]:
+    """policy.flow_config against policy.name."""
+    f, errors = p.flow_config, []
+    if p.name != "flow_vla":
+        if f is not None:
+            errors.append(f"policy.flow_config: only used with policy.name \"flow_vla\" (got {p.name!r})")
+        return errors
+    if f is None or not f.model_path:
+        errors.append("policy.flow_config.model_path: policy.name \"flow_vla\" needs a local π0 checkpoint "
+                      "directory (PI0ForConditionalGeneration.save_pretrained's, or LeRobot's)")
+    if f is not None and f.noise_std_min > f.noise_std_max:
+        errors.append(f"policy.flow_config.noise_std_min {f.noise_std_min} is above noise_std_max {f.noise_std_max}")
+    if p.chunk_size != 1:
+        errors.append(f"policy.chunk_size: {p.chunk_size}, but a \"flow_vla\" policy's chunk is its checkpoint's "
+                      f"chunk_size (config.json); leave policy.chunk_size out")
     return errors
 
 

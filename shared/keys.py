@@ -41,3 +41,8 @@ META_EPISODE_LENGTHS = "episode_lengths"
 
 ROLLOUT_STEP_KEYS = (ACTION, LOG_PROB, VALUE, NEXT_VALUE, REWARD, TERMINATED, TRUNCATED, DONE,
                      POLICY_VERSION)
+
+# Flow-matching chunk policies (shared/policies/flow_policy.py): what the learner needs to recompute a
+# chunk's log-likelihood exactly, declared by the policy's rollout_extras() and copied into every row.
+FLOW_CHAIN = "flow_chain"       # float32 [K+1, H, max_action_dim]: the denoising chain x_1 (noise) .. x_0
+FLOW_STEP = "flow_sde_step"     # int64: Flow-SDE's stochastic step k* (0..K-1) of the row's call
