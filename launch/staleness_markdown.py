@@ -131,9 +131,76 @@ def correction_lag_table(runs: Sequence[Run], random_return: float | None = None
     return lines + [""]
 
 
+NOT_REACHED = "not reached"
+
+
+def _fmt_spread(spread: dict[str, Any], axis: str) -> str:
+    """A slowdown cell: the mean over the seeds that reached the threshold, (min–max) over several, and
+    how many reached it when not all did; "not reached" when none did. Env steps (`axis`) are whole."""
+    if not spread.get("reached"):
+        return NOT_REACHED
+    fmt = (lambda x: f"{x:,.0f}") if axis == "env_steps" else _fmt_float
+    text = fmt(spread["mean"])
+    if spread["reached"] > 1:
+        text += f" ({fmt(spread['min'])}–{fmt(spread['max'])})"
+    if spread["reached"] < spread["runs"]:
+        text += f", {spread['reached']}/{spread['runs']} reached"
+    return text
+
+
+def _fmt_ratio(spread: dict[str, Any]) -> str:
+    """The × reference cell: mean (min–max) of each seed's value over the reference group's mean."""
+    if not spread.get("reached"):
+        return NOT_REACHED
+    ratio = spread.get("ratio")
+    if ratio is None:
+        return MISSING   # the reference group never reached this threshold
+    text = f"{ratio['mean']:.2f}×"
+    if spread["reached"] > 1:
+        text += f" ({ratio['min']:.2f}–{ratio['max']:.2f})"
+    if spread["reached"] < spread["runs"]:
+        text += f", {spread['reached']}/{spread['runs']}"
+    return text
+
+
+def slowdown_table(result: dict[str, Any]) -> list[str]:
+    """Markdown: the "Slowdown" section from :func:`staleness_runs.slowdown`'s `result`, a table of env
+    steps and one of wall time to each threshold, with the ratio to the reference group."""
+    lines = ["## Slowdown", ""]
+    if "thresholds" not in result:
+        return lines + [f"No slowdown table: {result.get('note', 'no evaluations')}.", ""]
+    base, keys = result["random_return"], list(result["thresholds"])
+    shares = " and ".join(f"{float(k):.0%}" for k in keys)
+    what = f"of the way from a random policy's return ({base:g}) to" if base is not None else "of"
+    values = ", ".join(f"{float(k):.0%}: {_fmt_float(v)}" for k, v in result["thresholds"].items())
+    lines += [f"Env steps and wall time each run group takes to reach {shares} {what} the reference group's final "
+              f"return (reference **{_cell(result['reference'])}**: {_fmt_float(result['reference_final_return'])}, "
+              f"the mean over its seeds of the mean of their last {FINAL_EVALS} evaluations); thresholds {values}.",
+              "",
+              "A threshold crossed between two evaluations is placed by linear interpolation between them (in env "
+              "steps and in wall time alike), not at the next evaluation; a run whose first evaluation already "
+              "reaches it is placed there. Wall time runs from the run's start to the publication of the version "
+              "evaluated. Each cell is the mean over the seeds that reached the threshold, with (min–max) over "
+              "several seeds and \"k/n reached\" where some never did; × reference divides each seed's value by "
+              "the reference group's mean. \"not reached\": no seed of the group got there.", ""]
+    for axis, title in (("env_steps", "env steps"), ("wall_s", "wall (s)")):
+        header = ["group", "correction", "runs", "mean lag"]
+        for key in keys:
+            header += [f"{title} to {float(key):.0%}", f"× reference ({float(key):.0%})"]
+        lines += ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+        for group in result["groups"]:
+            row = [_cell(group["label"]), group["correction"], str(len(group["runs"])), _fmt_float(group["mean_lag"])]
+            for key in keys:
+                row += [_fmt_spread(group[axis][key], axis), _fmt_ratio(group[axis][key])]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
 def markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]],
-              random_return: float | None = None) -> str:
-    """report.md's text; `figures` are (file name, section title, caption)."""
+              random_return: float | None = None, slowdown: dict[str, Any] | None = None) -> str:
+    """report.md's text; `figures` are (file name, section title, caption); `slowdown` is
+    :func:`staleness_runs.slowdown`'s result (its section is left out when None)."""
     lines = ["# Staleness report", "",
              "Policy lag = the learner's version when it used a sample minus the policy version that produced it.",
              "", "## Runs", ""]
@@ -168,7 +235,10 @@ def markdown(runs: Sequence[Run], figures: Sequence[tuple[str, str, str]],
                          + f" | {per_seed} |")
         lines.append("")
     lines += correction_lag_table(runs, random_return)
+    if slowdown is not None:
+        lines += slowdown_table(slowdown)
     lines += ["## Figures", ""]
     for name, title, caption in figures:
         lines += [f"### {title}", "", f"![{title}]({name})", "", caption, ""]
     return "\n".join(lines)
+

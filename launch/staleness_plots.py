@@ -19,7 +19,8 @@ from matplotlib.ticker import MaxNLocator
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from staleness_runs import FINAL_EVALS, Run, finite, rollout_lag_mean, group_stats, lag_setting, seed_groups  # noqa: E402
+from staleness_runs import (FINAL_EVALS, Run, finite, group_stats, lag_setting, rollout_lag_mean,  # noqa: E402
+                            seed_groups, slowdown)
 
 DPI = 120
 MAX_PIXELS = 6_000_000  # a figure of a large sweep (a panel per run) is saved at a lower dpi than DPI
@@ -358,6 +359,59 @@ def plot_return_vs_lag(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure
     return fig
 
 
+FRACTION_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")   # one per threshold in slowdown.png
+
+
+def _slowdown_panel(ax: Axes, result: dict[str, Any], axis: str) -> None:
+    """One panel of slowdown.png: per group, a bar per threshold at the mean ratio to the reference
+    (min–max over the seeds that reached it), "not reached" where none did."""
+    groups, keys = result["groups"], list(result["thresholds"])
+    width = 0.8 / max(len(keys), 1)
+    for i, key in enumerate(keys):
+        colour = FRACTION_COLOURS[i % len(FRACTION_COLOURS)]
+        label: str | None = f"{float(key):.0%} of the reference's return"   # on the first bar drawn only
+        for j, group in enumerate(groups):
+            spread, x = group[axis][key], j + (i - (len(keys) - 1) / 2) * width
+            ratio = spread.get("ratio")
+            if not spread.get("reached") or ratio is None:
+                ax.text(x, 1.0, "not reached" if not spread.get("reached") else "reference never did",
+                        rotation=90, ha="center", va="bottom", fontsize=7, color=colour)
+                continue
+            ax.bar(x, ratio["mean"], width, color=colour, alpha=0.85, label=label,
+                   yerr=[[ratio["mean"] - ratio["min"]], [ratio["max"] - ratio["mean"]]], capsize=3)
+            label = None
+            if spread["reached"] < spread["runs"]:
+                ax.annotate(f"{spread['reached']}/{spread['runs']}", (x, ratio["max"]), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="0.3", linewidth=1.0, linestyle="--")
+    crowded = len(groups) > 3
+    ax.set_xticks(range(len(groups)), [g["label"] for g in groups], rotation=30 if crowded else 0,
+                  ha="right" if crowded else "center", fontsize=8 if crowded else 10)
+    ax.set_xlim(-0.7, len(groups) - 0.3)
+    what = "env steps" if axis == "env_steps" else "wall time"
+    _finish(ax, f"{what.capitalize()} to the threshold, × the reference's (bars: min–max over seeds)",
+            "run group", f"{what} / reference's {what}")
+
+
+def plot_slowdown(runs: Sequence[Run], colours: Sequence[Colour], result: dict[str, Any] | None = None) -> Figure:
+    """How much later each run group reaches 50% and 80% of the reference group's final return, in
+    env steps (top) and wall time (bottom), as a ratio to the reference (:func:`staleness_runs.slowdown`;
+    `result` is its output, computed here with the default reference when None; `colours` unused:
+    one colour per threshold)."""
+    if result is None:
+        result = slowdown(runs)
+    n = len(result["groups"])
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * n + 3), 9))
+    if "thresholds" not in result:
+        for ax in axes:
+            _note(ax, f"no slowdown: {result.get('note', 'no evaluations')}")
+        return fig
+    for ax, axis in zip(axes, ("env_steps", "wall_s")):
+        _slowdown_panel(ax, result, axis)
+    fig.suptitle(f"Slowdown against {result['reference']} (dashed: the reference, 1×)")
+    return fig
+
+
 FigureFn = Callable[[Sequence[Run], Sequence[Colour]], Figure]
 # (file name, section title, plotter, caption)
 FIGURES: tuple[tuple[str, str, FigureFn, str], ...] = (
@@ -385,6 +439,10 @@ FIGURES: tuple[tuple[str, str, FigureFn, str], ...] = (
     ("return_vs_lag.png", "Return vs lag", plot_return_vs_lag,
      (f"Final return (mean of the last {FINAL_EVALS} evaluations) against sample-weighted mean lag, by "
       "off-policy correction.")),
+    ("slowdown.png", "Slowdown", plot_slowdown,
+     ("Env steps (top) and wall time (bottom) each run group took to reach 50% and 80% of the reference "
+      "group's final return, divided by the reference's: the bar is the mean over seeds, the whisker the "
+      "min–max; 1× (dashed) is the reference. The table under \"Slowdown\" has the numbers.")),
 )
 
 

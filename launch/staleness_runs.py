@@ -335,3 +335,195 @@ def lag_setting(run: Run) -> tuple[int, int] | None:
     if not isinstance(sync, int) or not isinstance(held, int):
         return None
     return held, sync
+
+
+# ---------------------------------------------------------------------------------------- slowdown
+SLOWDOWN_FRACTIONS = (0.5, 0.8)   # shares of the reference group's final return a run must reach
+CROSSING_RULE = ("linear interpolation between the last evaluation below the threshold and the first at or "
+                 "above it (env steps and wall time alike); the first evaluation itself when it already reaches "
+                 "the threshold")
+WALL_TIME_RULE = ("seconds from the run's start to the first publication of the evaluated version (to the "
+                  "evaluation's own metrics.jsonl line where that is not recorded)")
+
+
+class UnknownReference(ValueError):
+    """``--reference`` names no run group of the report; the message lists the groups there are."""
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation of a run: its env steps, seconds since the run started, and its mean return."""
+
+    env_steps: float
+    wall_s: float | None
+    value: float
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Where a run's evaluation curve first reached a threshold: env steps and wall seconds since its start."""
+
+    env_steps: float
+    wall_s: float | None
+
+
+def publish_times(run: Run) -> dict[int, float]:
+    """Seconds since the run started at which each version was first published (``publish`` or ``resume``)."""
+    times: dict[int, float] = {}
+    for event in run.versions:
+        version, t = event.get("version"), run.since_start(event)
+        if event.get("event") in ("publish", "resume") and isinstance(version, int) and t is not None:
+            times.setdefault(version, t)
+    return times
+
+
+def eval_points(run: Run) -> list[EvalPoint]:
+    """The run's evaluations in env-step order. Their wall time is when the evaluated version was
+    published (when the learner had that policy), else the evaluation line's own time: the evaluator's
+    delay is then left out of the comparison."""
+    published = publish_times(run)
+    points = []
+    for e in run.evals:
+        steps = finite(e.get("env_steps"))
+        if steps is None:
+            continue
+        version = e.get("version")
+        wall = published.get(version) if isinstance(version, int) else None
+        if wall is None:
+            wall = run.since_start(e)
+        if wall is None:
+            wall = finite(e.get("wall_s"))
+        points.append(EvalPoint(steps, wall, float(e["eval/return_mean"])))
+    return sorted(points, key=lambda p: p.env_steps)
+
+
+def first_crossing(points: Sequence[EvalPoint], threshold: float) -> Crossing | None:
+    """Where the evaluation curve `points` (in env-step order) first reaches `threshold`, or None when
+    no evaluation does.
+
+    A threshold crossed between two evaluations is linearly interpolated: with returns ``r0 < threshold
+    <= r1`` at the evaluations either side, the crossing lies the fraction ``(threshold - r0) / (r1 - r0)``
+    of the way from the first to the second, in env steps and in wall time alike. When the first
+    evaluation already reaches the threshold, the crossing is that evaluation (nothing earlier is known).
+    Interpolation assumes the return rose steadily between the two evaluations; taking the next
+    evaluation instead would round every slowdown to whole evaluation intervals.
+    """
+    before = None
+    for point in points:
+        if point.value >= threshold:
+            if before is None:
+                return Crossing(point.env_steps, point.wall_s)
+            share = (threshold - before.value) / (point.value - before.value)
+            steps = before.env_steps + share * (point.env_steps - before.env_steps)
+            wall = point.wall_s
+            if before.wall_s is not None and point.wall_s is not None:
+                wall = before.wall_s + share * (point.wall_s - before.wall_s)
+            return Crossing(steps, wall)
+        before = point
+    return None
+
+
+def _group_lag(members: Sequence[Run]) -> float:
+    lags = [r.mean_lag for r in members if r.mean_lag is not None]
+    return float(np.mean(lags)) if lags else math.inf
+
+
+def reference_group(groups: Sequence[tuple[str, list[Run]]], reference: str | None = None) -> tuple[str, list[Run]]:
+    """The group the slowdown is measured against: the one labelled `reference` (its seed-group label, or
+    the label of one of its runs), else the group with the smallest mean lag that has evaluations (lag 1
+    in a sweep under ``pace``; the first such group given on a tie).
+
+    Raises UnknownReference naming the labels there are when `reference` matches no group."""
+    if reference is not None:
+        for label, members in groups:
+            if reference == label or any(reference == r.label for r in members):
+                return label, members
+        raise UnknownReference(f"--reference {reference!r} names no run group; the groups are: "
+                         + ", ".join(label for label, _ in groups))
+    with_evals = [g for g in groups if any(r.evals for r in g[1])] or list(groups)
+    return min(with_evals, key=lambda g: _group_lag(g[1]))
+
+
+def _spread(values: Sequence[float | None], reference_mean: float | None) -> dict[str, Any]:
+    """Mean, min, max and std over the seeds that reached a threshold (None: not reached), and the same
+    of each seed's value divided by the reference group's mean."""
+    reached = np.array([v for v in values if v is not None], dtype=float)
+    out: dict[str, Any] = {"runs": len(values), "reached": int(reached.size)}
+    if not reached.size:
+        return out
+    out.update(mean=float(reached.mean()), min=float(reached.min()), max=float(reached.max()),
+               std=float(reached.std()))
+    if reference_mean:
+        ratio = reached / reference_mean
+        out["ratio"] = {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()),
+                        "std": float(ratio.std())}
+    return out
+
+
+def _run_crossings(run: Run, thresholds: dict[str, float]) -> dict[str, Crossing | None]:
+    points = eval_points(run)
+    return {key: first_crossing(points, value) for key, value in thresholds.items()}
+
+
+def slowdown(runs: Sequence[Run], reference: str | None = None, random_return: float | None = None,
+             fractions: Sequence[float] = SLOWDOWN_FRACTIONS) -> dict[str, Any]:
+    """How much later each run group reaches a share of the reference group's final return, in env
+    steps and in wall time (the report's "Slowdown" table and ``slowdown.png``; ``report.json``'s
+    ``slowdown``).
+
+    The threshold for a fraction f is ``R_random + f * (R_ref - R_random)``: R_ref is the mean final
+    return over the reference group's seeds (:func:`reference_group`), R_random is `random_return` (0
+    when not given; give a random policy's return for tasks whose returns are negative). Each run's
+    crossing is :func:`first_crossing` of its evaluations. Per group and fraction, ``env_steps`` and
+    ``wall_s`` hold the mean, min, max and std over the seeds that reached it, ``reached`` of ``runs``,
+    and ``ratio``: each seed's value divided by the reference group's mean value, summarised alike.
+    A seed that never reaches the threshold has ``null`` there and counts only in ``runs``.
+    Returns a JSON-ready dict; its ``note`` says why there are no thresholds when there are none.
+
+    Raises UnknownReference when `reference` names no group.
+    """
+    if not runs:
+        return {"groups": [], "note": "no runs"}
+    groups = seed_groups(runs)
+    ref_label, ref_members = reference_group(groups, reference)
+    finals = [r.final_return for r in ref_members if r.final_return is not None]
+    base = random_return if random_return is not None else 0.0
+    out: dict[str, Any] = {"reference": ref_label,
+                           "reference_final_return": float(np.mean(finals)) if finals else None,
+                           "random_return": random_return, "fractions": list(fractions), "crossing": CROSSING_RULE,
+                           "wall_time": WALL_TIME_RULE, "groups": []}
+    if not finals or out["reference_final_return"] <= base:
+        out["note"] = (f"the reference group {ref_label} has no final return above {base:g}, so no threshold "
+                       "can be set" + ("" if random_return is not None else " (give --random-return for "
+                                                                              "negative returns)"))
+        return out
+    thresholds = {f"{f:g}": base + f * (out["reference_final_return"] - base) for f in fractions}
+    out["thresholds"] = thresholds
+    crossings = {label: [_run_crossings(r, thresholds) for r in members] for label, members in groups}
+    out["groups"] = [_group_slowdown(label, members, crossings[label], crossings[ref_label])
+                     for label, members in groups]
+    return out
+
+
+def _axis_mean(crossed: Sequence[dict[str, Crossing | None]], key: str, axis: str) -> float | None:
+    """The mean env steps or wall seconds (`axis`) at which the runs of `crossed` reached threshold `key`."""
+    values = [getattr(c[key], axis) for c in crossed if c[key] is not None]
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _group_slowdown(label: str, members: Sequence[Run], crossed: Sequence[dict[str, Crossing | None]],
+                    ref_crossed: Sequence[dict[str, Crossing | None]]) -> dict[str, Any]:
+    """One group's entry of :func:`slowdown`: its runs' crossings and, per axis and threshold, their spread."""
+    lag = _group_lag(members)
+    group: dict[str, Any] = {"label": label, "correction": members[0].correction,
+                             "mean_lag": None if math.isinf(lag) else lag, "runs": [], "env_steps": {}, "wall_s": {}}
+    for run, reached in zip(members, crossed):
+        group["runs"].append({"label": run.label, "final_return": run.final_return,
+                              "reached": {k: None if c is None else {"env_steps": c.env_steps, "wall_s": c.wall_s}
+                                          for k, c in reached.items()}})
+    for key in (crossed[0] if crossed else {}):
+        for axis in ("env_steps", "wall_s"):
+            values = [None if c[key] is None else getattr(c[key], axis) for c in crossed]
+            group[axis][key] = _spread(values, _axis_mean(ref_crossed, key, axis))
+    return group

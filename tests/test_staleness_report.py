@@ -16,11 +16,13 @@ staleness = importlib.util.module_from_spec(SPEC)
 sys.modules["staleness"] = staleness  # dataclasses look the module up while the class is created
 SPEC.loader.exec_module(staleness)
 import staleness_plots  # noqa: E402  (beside staleness.py, which put launch/ on sys.path)
+import staleness_runs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
 FIGURES = ["lag_histogram.png", "lag_over_time.png", "return_vs_steps.png", "return_vs_time.png",
-           "actor_throughput.png", "sync_delay.png", "offpolicy_health.png", "dropped_episode_bias.png", "return_vs_lag.png"]
+           "actor_throughput.png", "sync_delay.png", "offpolicy_health.png", "dropped_episode_bias.png",
+           "return_vs_lag.png", "slowdown.png"]
 T0 = 1_800_000_000.0
 STEPS = 64  # env steps per rollout
 DROP_REASONS = ["lag", "stale", "overwritten", "shutdown", "lag"]
@@ -83,7 +85,8 @@ def write_run(run_dir: Path, *, n_rollouts: int, correction: str, drops: list[st
 
 def table(report: str) -> dict[str, dict[str, str]]:
     """The report's summary table: run label -> column header -> cell."""
-    rows = [line for line in report.splitlines() if line.startswith("| ")]
+    section = report.split("## Summary")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
     header = [c.strip() for c in rows[0].strip("|").split("|")]
     return {cells[0]: dict(zip(header, cells)) for cells in
             ([c.strip() for c in row.strip("|").split("|")] for row in rows[1:])}
@@ -105,8 +108,9 @@ def test_two_runs(tmp_path: Path) -> None:
     assert len(runs[0].consumed) == 30  # the truncated line is skipped
     out = tmp_path / "report"
     written = staleness.write_report(runs, out)
-    assert sorted(p.name for p in written) == sorted([*FIGURES, "report.md"])
-    assert written[-1] == out / "report.md" and all(p.parent == out / "figures" for p in written[:-1])
+    assert sorted(p.name for p in written) == sorted([*FIGURES, "report.json", "report.md"])
+    assert written[-1] == out / "report.md" and written[-2] == out / "report.json"
+    assert all(p.parent == out / "figures" for p in written[:-2])
     assert_figures(out)
 
     report = (out / "report.md").read_text()
@@ -256,3 +260,89 @@ def test_return_figures_draw_a_line_per_setting_over_seeds(tmp_path: Path) -> No
     single = staleness_plots.plot_return_vs_steps(runs[:1] + runs[2:3], staleness_plots.run_colours(2)).axes[0]
     assert {line.get_label() for line in single.get_lines()} == {"sync1_delay0_none_s1", "sync1_delay0_is_s1"}
     assert "over episodes" in single.get_title()
+
+
+def write_curve(run_dir: Path, returns: list[float], *, lag: int, seconds_per_version: float = 10.0) -> None:
+    """A run with one evaluation per 100 env steps (version j evaluated at 100 j steps, published at
+    `seconds_per_version` j seconds; each evaluation line is written 3 s after its version's publication)
+    and every sample at policy lag `lag`."""
+    run_dir.mkdir(parents=True)
+    config = {"trainer": {"seed": 1, "buffer_type": "vla"}, "actors": {"sync_every": 1},
+              "algorithm": {"name": "ppo", "cfg": {"correction": "none"}}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    versions = [{"event": "publish", "version": j, "time": T0 + seconds_per_version * j, "env_steps": 100 * j}
+                for j in range(len(returns) + 1)]
+    versions.append({"event": "consume", "time": T0 + 1, "actor": 0, "seq": 0, "policy_version": 0,
+                     "learner_version": lag, "lag": lag, "lag_hist": [[lag, 64]], "env_steps": 64})
+    (run_dir / "versions.jsonl").write_text("\n".join(json.dumps(v) for v in versions) + "\n")
+    evals = [{"eval/return_mean": r, "eval/return_std": 1.0, "env_steps": 100 * j, "version": j,
+              "time": T0 + seconds_per_version * j + 3.0} for j, r in enumerate(returns, 1)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(e) for e in evals) + "\n")
+
+
+# Final returns (mean of the last 3 evaluations): lag1 seeds 1000 and 1000, so the thresholds are 500 and 800.
+CURVES = {"lag1_s1": ([200, 600, 1000, 1000, 1000], 1, 10.0),   # 500 at 175 steps (3/4 of 200 -> 600), 800 at 250
+          "lag1_s2": ([400, 800, 1000, 1000, 1000], 1, 10.0),   # 500 at 125, 800 at 200 (reached exactly there)
+          "lag8_s1": ([100, 300, 700, 900, 900], 8, 20.0),      # 500 at 250 steps, 50 s; 800 at 350 steps, 70 s
+          "lag8_s2": ([100, 200, 400, 600, 700], 8, 10.0),      # 500 at 350 steps, 35 s; 800 never
+          "lag32_s1": ([50, 100, 200, 300, 400], 32, 10.0)}     # never reaches either
+
+
+def test_first_crossing_interpolates_between_evaluations() -> None:
+    from staleness_runs import EvalPoint, first_crossing
+    points = [EvalPoint(100, 10.0, 200.0), EvalPoint(200, 30.0, 600.0), EvalPoint(300, None, 1000.0)]
+    assert first_crossing(points, 500.0) == staleness_runs.Crossing(175.0, 25.0)   # 3/4 of the way
+    assert first_crossing(points, 600.0) == staleness_runs.Crossing(200.0, 30.0)   # exactly at an evaluation
+    assert first_crossing(points, 100.0) == staleness_runs.Crossing(100.0, 10.0)   # the first one already does
+    assert first_crossing(points, 800.0) == staleness_runs.Crossing(250.0, None)   # no wall time on one side
+    assert first_crossing(points, 1000.5) is None
+
+
+def test_slowdown_against_a_by_hand_example(tmp_path: Path) -> None:
+    """Steps and wall time to 50% and 80% of the lag-1 group's final return, per seed and per group,
+    interpolated between evaluations; a run that never gets there is "not reached"."""
+    for label, (returns, lag, seconds) in CURVES.items():
+        write_curve(tmp_path / label, returns, lag=lag, seconds_per_version=seconds)
+    runs = [staleness.load_run(tmp_path / label) for label in CURVES]
+    result = staleness_runs.slowdown(runs)
+    assert result["reference"] == "lag1" and result["reference_final_return"] == pytest.approx(1000.0)
+    assert result["thresholds"] == {"0.5": pytest.approx(500.0), "0.8": pytest.approx(800.0)}
+    groups = {g["label"]: g for g in result["groups"]}
+    assert [r["reached"]["0.5"]["env_steps"] for r in groups["lag1"]["runs"]] == pytest.approx([175.0, 125.0])
+    assert groups["lag1"]["wall_s"]["0.8"]["mean"] == pytest.approx(22.5)       # publication times, not the eval lines'
+    lag8 = groups["lag8"]
+    assert lag8["runs"][1]["reached"]["0.8"] is None
+    steps50, steps80 = lag8["env_steps"]["0.5"], lag8["env_steps"]["0.8"]
+    assert (steps50["mean"], steps50["min"], steps50["max"]) == pytest.approx((300.0, 250.0, 350.0))
+    assert steps50["ratio"]["mean"] == pytest.approx(2.0)                          # 250/150 and 350/150
+    assert (steps50["ratio"]["min"], steps50["ratio"]["max"]) == pytest.approx((250 / 150, 350 / 150))
+    assert (steps80["reached"], steps80["runs"]) == (1, 2) and steps80["ratio"]["mean"] == pytest.approx(350 / 225)
+    assert lag8["wall_s"]["0.5"]["ratio"]["mean"] == pytest.approx((50 / 15 + 35 / 15) / 2)
+    assert groups["lag32"]["env_steps"]["0.5"] == {"runs": 1, "reached": 0}
+
+    out = tmp_path / "report"
+    assert staleness.main([str(tmp_path / label) for label in CURVES] + ["--out", str(out)]) == 0
+    section = (out / "report.md").read_text().split("## Slowdown")[1].split("\n## ")[0]
+    assert "linear interpolation" in section
+    assert ("| lag8 | none | 2 | 8.00 | 300 (250–350) | 2.00× (1.67–2.33) | 350, 1/2 reached | 1.56×, 1/2 |"
+            in section)
+    assert "| lag32 | none | 1 | 32.0 | not reached | not reached | not reached | not reached |" in section
+    # wall time: the reference's seeds reach 50% at 17.5 and 12.5 s, 80% at 25 and 20 s
+    assert ("| lag1 | none | 2 | 1.00 | 15.0 (12.5–17.5) | 1.00× (0.83–1.17) | "
+            "22.5 (20.0–25.0) | 1.00× (0.89–1.11) |" in section)
+    saved = json.loads((out / "report.json").read_text())["slowdown"]
+    assert saved["groups"][1]["env_steps"]["0.5"]["ratio"]["mean"] == pytest.approx(2.0)
+    assert saved["groups"][1]["runs"][1]["reached"]["0.8"] is None
+
+
+def test_slowdown_reference_and_random_return(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for label in ("lag1_s1", "lag8_s1"):
+        returns, lag, seconds = CURVES[label]
+        write_curve(tmp_path / label, returns, lag=lag, seconds_per_version=seconds)
+    runs = [staleness.load_run(tmp_path / label) for label in ("lag1_s1", "lag8_s1")]
+    # returns measured from a random policy's -1000: thresholds -1000 + f (1000 + 1000)
+    result = staleness_runs.slowdown(runs, reference="lag8_s1", random_return=-1000.0)
+    assert result["reference"] == "lag8"
+    assert result["thresholds"]["0.5"] == pytest.approx(-1000 + 0.5 * (2500 / 3 + 1000))   # lag8_s1's final: 2500/3
+    assert staleness.main([str(tmp_path / "lag1_s1"), "--reference", "nope", "--out", str(tmp_path / "o")]) == 2
+    assert "nope" in capsys.readouterr().err and not (tmp_path / "o").exists()
