@@ -37,6 +37,9 @@ def _build_policy(cfg: Config, spec: EnvSpec, describe: bool = False) -> nn.Modu
         return ActorCritic(spec, cfg.policy, with_critic=False)
     if cfg.policy.name == "vla":
         return _build_vla(cfg, spec, describe)
+    if cfg.policy.name == "flow_vla":
+        from shared.policies.flow_policy import build_flow_policy
+        return build_flow_policy(cfg, spec, describe)
     raise ValueError(f"{cfg.source}: policy.name {cfg.policy.name!r} is not available")
 
 
