@@ -19,6 +19,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from learner.corrections import CurrentPolicy, make_correction
+from learner.drift import DriftMeter
 from learner.fast_epochs import MinibatchStep, epochs_in_mode
 from learner.minibatch import EpochHooks, log_ratio as clamped_log_ratio
 from learner.proximal import EWMAProximal
@@ -193,6 +194,7 @@ class PPO:
         self.correction = make_correction(cfg, CurrentPolicy(policy, device), count, steps_per_update,
                                           compiled=step is not None)
         self.cfg = self.correction.cfg           # with the correction's defaults filled in
+        self.drift = DriftMeter(lambda rows: self.correction.now.evaluate(rows)[0])   # the drift ratio's log
         self.reward_scaler = RewardScaler(cfg.gamma) if cfg.normalize_reward else None
         self._renormalize, self._refresh = True, None
         self._update_cfg = self.cfg              # this update's settings (the trust correction's change per update)
@@ -212,6 +214,7 @@ class PPO:
         if self.reward_scaler is not None:
             reward = self.reward_scaler.scale_by(reward, reward_std)
         stale = bool(lags.max() > 0)
+        drift = self.drift.measure(batch, lags)  # first: a decoupled correction rewrites the behaviour log-probs
         self._refresh = None
         if self.correction.refreshes(stale):
             mu = batch[keys.LOG_PROB].clone()
@@ -219,6 +222,7 @@ class PPO:
         stats, self._renormalize = self.correction(batch, reward, stale)
         self._update_cfg, per_update = self.correction.for_update(float(lags.float().mean()))
         stats.update(per_update)
+        stats.update(drift)
         return stats
 
     def update(self, batch: TensorDictBase, policy: nn.Module, hooks: EpochHooks) -> dict[str, float]:

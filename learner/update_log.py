@@ -55,7 +55,8 @@ class UpdateLog:
         values.update({f"offpolicy/{k}": stats[k] for k in ("rho_mean", "rho_max", "rho_clipped_frac", "value_shift",
                                                              "bootstrap_shift", "masked_frac", "prox_weight_mean",
                                                              "ess", "log_ratio_abs", "kl_behaviour", "trust_clip",
-                                                             "trust_kl")
+                                                             "trust_kl", "drift_ratio", "drift_ratio_consistent",
+                                                             "drift_kl_behaviour", "drift_kl_path", "drift_kl_update")
                        if k in stats})
         values["train/learning_rate"] = learning_rate
         if "groups_kept" in stats:   # GRPO's dynamic sampling: groups trained on and left out of this update
