@@ -43,7 +43,9 @@ Figures (``figures/<name>``):
 - ``sync_delay.png``: weight-sync delay (from the learner publishing a version to an actor first acting with
   it), as a histogram and over time.
 - ``offpolicy_health.png``: per update, the effective sample size of the importance weights, the mean
-  |log pi_k/mu|, KL(mu || pi_k) at the update's start and the KL the update moved, against env steps;
+  |log pi_k/mu|, KL(mu || pi_k) at the update's start and the KL the update moved, and the drift ratio
+  (KL(mu || pi_k) over the per-update KLs summed between the two versions: about the lag for a
+  consistent drift, about 1 for random moves; ``learner/drift.py``) with its terms, against env steps.
 - ``dropped_episode_bias.png``: mean episode length of the episodes that ended in consumed vs dropped
   rollouts, to show whether dropping favours short or long episodes.
 - ``return_vs_lag.png``: final return (mean of the last 3 evaluations) against the sample-weighted mean lag,

@@ -255,28 +255,48 @@ def plot_sync_delay(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     return fig
 
 
-OFFPOLICY_PANELS = (("offpolicy/ess", "effective sample size (share of the batch)"),
-                    ("offpolicy/log_ratio_abs", "mean |log pi_k / mu|"),
-                    ("offpolicy/kl_behaviour", "KL(mu || pi_k) at the update's start"),
-                    ("loss/approx_kl", "approx. KL moved by the update"))
+# (key, title, key drawn dashed in the same colour or None, note where no run logged the key)
+NO_CORRECTION = "plain PPO without recomputed values logs none"
+NO_DRIFT = "logged by PPO on stale data; older runs lack it"
+OFFPOLICY_PANELS = (("offpolicy/ess", "effective sample size (share of the batch)", None, NO_CORRECTION),
+                    ("offpolicy/log_ratio_abs", "mean |log pi_k / mu|", None, NO_CORRECTION),
+                    ("offpolicy/kl_behaviour", "KL(mu || pi_k) at the update's start", None, NO_CORRECTION),
+                    ("loss/approx_kl", "approx. KL moved by the update", None, NO_CORRECTION),
+                    ("offpolicy/drift_ratio", "drift ratio (dashed: consistent drift; 1: random moves)",
+                     "offpolicy/drift_ratio_consistent", NO_DRIFT),
+                    ("offpolicy/drift_kl_behaviour", "KL(mu || pi_k) (dashed: per-update KLs summed)",
+                     "offpolicy/drift_kl_path", NO_DRIFT))
+
+
+def _per_update(run: Run, key: str) -> np.ndarray | None:
+    """``[2, n]``: env steps and `key` of every metrics.jsonl line that has both, or None."""
+    points = [(m.get("env_steps"), m.get(key)) for m in run.metrics]
+    points = [(x, y) for x, y in points if finite(x) is not None and finite(y) is not None]
+    return np.array(points, dtype=float).T if points else None
 
 
 def plot_offpolicy_health(runs: Sequence[Run], colours: Sequence[Colour]) -> Figure:
     """How far each update's data was from the policy it trained: ESS, |log pi_k/mu|, KL to mu at the
-    start and the KL the update moved, against env steps (``metrics.jsonl``; the first three are
-    logged with an off-policy correction)."""
-    fig, axes = plt.subplots(1, len(OFFPOLICY_PANELS), figsize=(5 * len(OFFPOLICY_PANELS), 4.5))
-    for ax, (key, label) in zip(axes, OFFPOLICY_PANELS):
+    start and the KL the update moved (the first three are logged with an off-policy correction), and
+    the drift ratio with its terms (PPO on stale data), against env steps (``metrics.jsonl``)."""
+    ncols = 3
+    nrows = math.ceil(len(OFFPOLICY_PANELS) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.5 * nrows), squeeze=False)
+    for ax, (key, label, dashed, missing) in zip(axes.flat, OFFPOLICY_PANELS):
         for run, colour in zip(runs, colours):
-            points = [(m.get("env_steps"), m.get(key)) for m in run.metrics]
-            points = [(x, y) for x, y in points if finite(x) is not None and finite(y) is not None]
-            if points:
-                x, y = np.array(points, dtype=float).T
-                ax.plot(x, y, color=colour, linewidth=1.2, label=run.label)
+            for name, style, text in ((key, "-", run.label), (dashed, "--", None)):
+                curve = _per_update(run, name) if name is not None else None
+                if curve is not None:
+                    ax.plot(curve[0], curve[1], color=colour, linewidth=1.2, linestyle=style, label=text)
+        if key == "offpolicy/drift_ratio":
+            ax.axhline(1.0, color="0.3", linewidth=1.0, linestyle=":")
         _note_missing(ax, runs, lambda r, k=key: any(finite(m.get(k)) is not None for m in r.metrics),
-                      f"no {key} logged (plain PPO without recomputed values logs none)")
+                      f"no {key} logged ({missing})")
         _finish(ax, label, "env steps", key)
-    fig.suptitle("Staleness health per update: a falling ESS and a rising KL come before a collapse")
+    for ax in axes.flat[len(OFFPOLICY_PANELS):]:
+        ax.set_visible(False)
+    fig.suptitle("Staleness health per update: a falling ESS and a rising KL come before a collapse; "
+                 "a drift ratio near the lag means the updates push one way")
     return fig
 
 
@@ -432,7 +452,10 @@ FIGURES: tuple[tuple[str, str, FigureFn, str], ...] = (
      "Delay from the learner publishing a version to an actor first acting with it: distribution and over time."),
     ("offpolicy_health.png", "Staleness health per update", plot_offpolicy_health,
      ("Per update: the effective sample size of the importance weights pi_k/mu as a share of the batch, the "
-      "mean |log pi_k/mu|, KL(mu || pi_k) when the update starts, and the approximate KL the update moved.")),
+      "mean |log pi_k/mu|, KL(mu || pi_k) when the update starts, and the approximate KL the update moved; "
+      "then the drift ratio, KL(mu || pi_k) over the per-update KLs KL(pi_j || pi_j+1) summed from each "
+      "sample's version to k (dashed: what a consistent drift in one direction gives, about the lag; "
+      "dotted: 1, what moves in random directions give), and its two terms.")),
     ("dropped_episode_bias.png", "Episode length of dropped data", plot_dropped_episode_bias,
      ("Mean length of episodes ending in consumed vs dropped rollouts; a gap means dropping favours short or "
       "long episodes.")),
