@@ -80,10 +80,16 @@ FIGURES_DIR = "figures"   # report.md's PNGs, beside it
 
 
 def report_data(runs: Sequence[Run], slowdown_result: dict) -> dict:
-    """``report.json``: per run its label, directory, correction, mean lag and final return, and the
-    slowdown (:func:`staleness_runs.slowdown`'s result)."""
-    return {"runs": [{"label": r.label, "path": str(r.path), "correction": r.correction, "mean_lag": r.mean_lag,
-                      "final_return": r.final_return, "env_steps": r.env_steps, "wall_s": r.wall_s} for r in runs],
+    """``report.json``: per run its label, directory, correction, env steps, updates, wall seconds, mean
+    and largest lag, final return and the median over its updates of the drift ratio and of the value a
+    consistent drift would give (null where not logged), and the slowdown (:func:`staleness_runs.slowdown`'s
+    result)."""
+    return {"runs": [{"label": r.label, "path": str(r.path), "correction": r.correction, "env_steps": r.env_steps,
+                      "updates": r.updates, "wall_s": r.wall_s, "mean_lag": r.mean_lag, "max_lag": r.max_lag,
+                      "final_return": r.final_return,
+                      "drift_ratio_median": r.median("offpolicy/drift_ratio"),
+                      "drift_ratio_consistent_median": r.median("offpolicy/drift_ratio_consistent")}
+                     for r in runs],
             "slowdown": slowdown_result}
 
 

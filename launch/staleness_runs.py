@@ -206,6 +206,11 @@ class Run:
         delays = self.sync_delays_ms
         return sum(delays) / len(delays) if delays else None
 
+    def median(self, key: str) -> float | None:
+        """The median over ``metrics.jsonl`` lines of `key` (e.g. ``offpolicy/drift_ratio``), or None."""
+        values = [v for v in (finite(m.get(key)) for m in self.metrics) if v is not None]
+        return float(np.median(values)) if values else None
+
     @property
     def final_return(self) -> float | None:
         """Mean evaluation return of the last (up to) 3 evaluations."""
@@ -492,7 +497,10 @@ def slowdown(runs: Sequence[Run], reference: str | None = None, random_return: f
                            "reference_final_return": float(np.mean(finals)) if finals else None,
                            "random_return": random_return, "fractions": list(fractions), "crossing": CROSSING_RULE,
                            "wall_time": WALL_TIME_RULE, "groups": []}
-    if not finals or out["reference_final_return"] <= base:
+    if not finals:
+        out["note"] = f"the reference group {ref_label} has no evaluations, so no threshold can be set"
+        return out
+    if out["reference_final_return"] <= base:
         out["note"] = (f"the reference group {ref_label} has no final return above {base:g}, so no threshold "
                        "can be set" + ("" if random_return is not None else " (give --random-return for "
                                                                               "negative returns)"))

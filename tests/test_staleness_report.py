@@ -330,7 +330,10 @@ def test_slowdown_against_a_by_hand_example(tmp_path: Path) -> None:
     # wall time: the reference's seeds reach 50% at 17.5 and 12.5 s, 80% at 25 and 20 s
     assert ("| lag1 | none | 2 | 1.00 | 15.0 (12.5–17.5) | 1.00× (0.83–1.17) | "
             "22.5 (20.0–25.0) | 1.00× (0.89–1.11) |" in section)
-    saved = json.loads((out / "report.json").read_text())["slowdown"]
+    data = json.loads((out / "report.json").read_text())
+    assert [r["label"] for r in data["runs"]] == list(CURVES) and data["runs"][2]["mean_lag"] == 8.0
+    assert data["runs"][0]["final_return"] == pytest.approx(1000.0) and data["runs"][0]["drift_ratio_median"] is None
+    saved = data["slowdown"]
     assert saved["groups"][1]["env_steps"]["0.5"]["ratio"]["mean"] == pytest.approx(2.0)
     assert saved["groups"][1]["runs"][1]["reached"]["0.8"] is None
 
