@@ -194,7 +194,8 @@ class PPO:
         self.correction = make_correction(cfg, CurrentPolicy(policy, device), count, steps_per_update,
                                           compiled=step is not None)
         self.cfg = self.correction.cfg           # with the correction's defaults filled in
-        self.drift = DriftMeter(lambda rows: self.correction.now.evaluate(rows)[0])   # the drift ratio's log
+        self.drift = (DriftMeter(lambda rows: self.correction.now.evaluate(rows)[0], cfg.drift_samples)
+                      if cfg.drift_samples else None)   # the drift ratio's log
         self.reward_scaler = RewardScaler(cfg.gamma) if cfg.normalize_reward else None
         self._renormalize, self._refresh = True, None
         self._update_cfg = self.cfg              # this update's settings (the trust correction's change per update)
@@ -214,7 +215,7 @@ class PPO:
         if self.reward_scaler is not None:
             reward = self.reward_scaler.scale_by(reward, reward_std)
         stale = bool(lags.max() > 0)
-        drift = self.drift.measure(batch, lags)  # first: a decoupled correction rewrites the behaviour log-probs
+        drift = self.drift.measure(batch, lags) if self.drift else {}  # first: a decoupled correction rewrites the behaviour log-probs
         self._refresh = None
         if self.correction.refreshes(stale):
             mu = batch[keys.LOG_PROB].clone()

@@ -482,6 +482,10 @@ class PPOConfig(ClippedPGConfig):
     """Normalise advantages to zero mean and unit std in each minibatch."""
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner-side)."""
+    drift_samples: Annotated[int, Range(ge=0, le=1_000_000)] = 512
+    """Rows of each batch the drift ratio (offpolicy/drift_*, docs/metrics.md) is computed on: up to
+    twice this many rows go through the policy once more per update. Cheap for an MLP; lower it, or 0
+    (off), for a large model."""
     correction: Optional[str] = None
     """Off-policy correction for stale data: none, is, vtrace, appo, ewma, mask, trust, or one
     registered in ``learner/corrections.py``. null: the one recommended for the mode (trust in async
