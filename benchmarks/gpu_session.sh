@@ -63,6 +63,13 @@
 #      own device, seeds $TANDEM_A0_SEEDS (default 1 2 3), one sitting (about 1 minute a seed)
 #  12. reach-ds: benchmarks/reach_gains.py: the Reach GRPO config in vla mode with and without
 #      algorithm.cfg.dynamic_sampling, seeds 1-3, gains over the starting model
+#  13. flow-vla: benchmarks/flow_vla.py --gpu: the full π0 shape (PI0Config's defaults: a PaliGemma 2B-class
+#      VLM and a 300M-class expert, random weights, bf16, LoRA on the expert) against the action-token policy
+#      on the same VLM, chunks of 50, on the same Reach observations: acting ms per call at batch 1/8/32 (the
+#      forward pass on the device, and through one inference server), the learner's seconds per PPO update and
+#      peak memory, for K = 1, 4, 10 (flow_vla.json, a results.py file; about 2-3 minutes). It needs transformers
+#      with PI0ForConditionalGeneration (5.x, as .venv has) and says so where the machine's has none. With
+#      TANDEM_GPU_DEVICE=cpu it runs the tiny models' --quick instead
 #
 # MuJoCo Warp where no registry is reachable: the warp-lang wheel (149 MB) is more than one device call
 # carries, so it travels in pieces, staged by earlier calls into $WARP_STAGE (default /tmp/warp-stage):
@@ -267,6 +274,11 @@ if want reach-ds; then
     --set trainer.buffer_type=async --variant vla --variant "dynamic algorithm.cfg.dynamic_sampling=true" \
     --device "$DEV" --out "$RUNS/reach_ds"
   cp "$RUNS/reach_ds/gains.json" "$OUTDIR/reach_ds_gains.json" 2>/dev/null
+fi
+
+if want flow-vla; then   # the full shape needs the GPU's memory: on the CPU, the tiny models' smoke run
+  [[ "$DEV" == cpu ]] && FLOW=(--quick) || FLOW=(--gpu --device "$DEV")
+  step flow-vla 300 "$PY" benchmarks/flow_vla.py "${FLOW[@]}" --json "$OUTDIR/flow_vla.json"
 fi
 
 tar -czf "$OUTDIR/runs.tgz" --exclude='*.pt' -C "$RUNS" . 2>/dev/null

@@ -346,3 +346,41 @@ def test_checkpoint_verify_benchmark_times_both_paths_and_cleans_up(tmp_path):
     assert [r["repeat"] for r in doc["records"]] == [1, 2] and doc["bytes"] == 400_000
     assert all(r[k] > 0 for r in doc["records"] for k in ("write_bare_s", "write_digest_s", "load_bare_s", "load_verified_s"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckv.json"]
+
+
+def test_flow_vla_quick_measures_both_policies_and_writes_a_result_page(tmp_path, capsys):
+    """benchmarks/flow_vla.py --quick: a record per policy, path, K and H; per env step = per call / H;
+    pi0's ratios against the token policy at the same H, batch and path; the update on the first path's
+    rows; the result file holds what results.py needs, and the page beside it is what results.py renders."""
+    import flow_vla
+    import results
+
+    out = tmp_path / "flow_vla.json"
+    threads = torch.get_num_threads()
+    assert flow_vla.main(["--quick", "--json", str(out)]) == 0
+    assert torch.get_num_threads() == threads                  # the benchmark's own setting is undone
+    doc = json.loads(out.read_text())
+    assert all(doc[k] for k in results.REQUIRED) and doc["settings"]["threads"] == 1
+    assert "ppo_update" in doc["update"] and "8 rows" in doc["update"]
+    ks, hs, batches = doc["settings"]["ks"], doc["settings"]["hs"], doc["settings"]["batches"]
+    paths = ["forward", "server"]
+    recs = {(r["policy"], r["path"], r["K"], r["H"]): r for r in doc["records"]}
+    assert set(recs) == ({("tokens", p, None, h) for p in paths for h in hs}
+                         | {("pi0", p, k, h) for p in paths for k in ks for h in hs})
+    for (policy, path, k, h), r in recs.items():
+        tokens = recs[("tokens", path, None, h)]
+        assert (r["update_s"] is not None) == (path == "forward") and r["actions_per_call"] == h
+        for b in batches:
+            assert r[f"call_ms_b{b}"] > 0
+            assert r[f"step_ms_b{b}"] == pytest.approx(r[f"call_ms_b{b}"] / h, rel=1e-3, abs=1e-3)
+            want = r[f"call_ms_b{b}"] / tokens[f"call_ms_b{b}"] if policy == "pi0" else None
+            assert r[f"x_tokens_b{b}"] == (None if want is None else pytest.approx(want, rel=1e-2))
+        if path == "forward":
+            assert r["update_s"] > 0 and r["update_ms_per_env_step"] == pytest.approx(
+                1000 * r["update_s"] / (8 * h), rel=1e-2)
+            assert (r["x_tokens_update"] is not None) == (policy == "pi0")
+    pi0, tokens = recs[("pi0", "forward", ks[0], hs[0])], recs[("tokens", "forward", None, hs[0])]
+    assert pi0["params"] > tokens["params"] > tokens["trainable"] > 0    # the same VLM, plus the expert
+    assert (tmp_path / "flow_vla.md").read_text() == results.render(doc, str(out))
+    printed = capsys.readouterr().out
+    assert "torch threads 1" in printed and f"{pi0['params']:,} parameters" in printed
