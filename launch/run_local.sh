@@ -180,6 +180,7 @@ is_my_child() {  # /proc/PID/stat is "PID (COMM) STATE PPID ..."
 
 stop_all() {  # TERM everyone, give them 10 s in all, then KILL what is left
   local pids=("${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}" $LEARNER_PID) deadline=$((SECONDS + 10)) stuck=()
+  [[ -n "${TICK:-}" ]] && kill "$TICK" 2>/dev/null   # the supervision loop's tick (below)
   kill -TERM "${pids[@]}" 2>/dev/null
   for p in "${pids[@]}"; do
     while kill -0 "$p" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.1; done
@@ -285,12 +286,30 @@ exec {LOG_FD}>&-
 for ((s = 0; s < SERVERS; s++)); do start_server "$s"; done
 for ((i = 0; i < NUM_ACTORS; i++)); do start_actor "$i"; done
 
+# bash's `wait -n` reports only children that end while it waits: one that ended before (while the
+# actors were being started, or during a restart's back-off) would go unnoticed until another ends.
+# So each round first takes any child already gone, and `wait -n` also waits for a 2 s tick, after
+# which the round looks again.
+TICK=""
+ended_before() {  # sets finished and code for a supervised child that is already gone
+  local p
+  for p in $LEARNER_PID "${SERVER_PID[@]+"${SERVER_PID[@]}"}" "${ACTOR_PID[@]+"${ACTOR_PID[@]}"}"; do
+    kill -0 "$p" 2>/dev/null && continue
+    finished=$p; wait "$p"; code=$?
+    return 0
+  done
+  return 1
+}
 status=0
 while true; do
   finished=""
-  wait -n -p finished "$LEARNER_PID" "${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}"
-  code=$?
-  [[ -z "$finished" ]] && continue            # interrupted by a signal; the trap handles it
+  if ! ended_before; then
+    [[ -n "$TICK" ]] && kill -0 "$TICK" 2>/dev/null || { sleep 2 & TICK=$!; }
+    wait -n -p finished "$LEARNER_PID" "${ACTOR_PID[@]+"${ACTOR_PID[@]}"}" "${SERVER_PID[@]+"${SERVER_PID[@]}"}" "$TICK"
+    code=$?
+    [[ -z "$finished" ]] && continue            # interrupted by a signal; the trap handles it
+    [[ "$finished" == "$TICK" ]] && { TICK=""; continue; }
+  fi
   if [[ "$finished" == "$LEARNER_PID" ]]; then
     status=$code
     [[ $code -ne 0 ]] && echo "[launch] the learner exited with code $code: stopping the actors"

@@ -400,19 +400,22 @@ def test_a_killed_learners_ring_file_is_removed_by_the_launcher(tmp_path):
     out = tmp_path / "killed"
     run = launch(tmp_path, out, "--no-eval", "--steps", "10000000", "--set", "actors.rollout_transport=ring", name="killed")
     try:
-        deadline = time.monotonic() + 120
-        ep = None
-        while time.monotonic() < deadline and ep is None:
+        seen: list[dict] = []
+
+        def endpoints() -> bool:
             try:
-                ep = json.loads((out / "endpoints.json").read_text())
+                seen.append(json.loads((out / "endpoints.json").read_text()))
             except (OSError, ValueError):
-                time.sleep(0.2)
-        assert ep is not None and Path(ep["rollout_ring"]).exists(), run.output()
+                return False
+            return True
+        assert run.wait(120, until=endpoints) is None, run.output()   # the learner is up (not ended)
+        ep = seen[-1]
+        assert Path(ep["rollout_ring"]).exists(), run.output()
         learner = [p for p in tandem_processes(out) if "-m learner" in " ".join(p.cmdline())]
         assert learner
-        learner[0].kill()
-        rc = run.wait(60)
-        assert rc != 0
+        learner[0].kill()   # maybe while the launcher still starts the actors: it must notice all the same
+        rc = run.wait(30)
+        assert rc is not None and rc != 0, run.output()
         run.assert_all_gone(out)
     finally:
         run.stop()
