@@ -34,6 +34,7 @@ from tensordict import TensorDict  # noqa: E402
 from learner.learner import Learner, ListPublisher, learner_threads  # noqa: E402
 from learner.logs import RunLogger  # noqa: E402
 from shared import keys  # noqa: E402
+from shared.chunks import env_steps_of  # noqa: E402
 from shared.config import ConfigError, load_config, save_config  # noqa: E402
 from shared.policies import weights_digest  # noqa: E402
 from shared.run_dir import RunDir, RunDirError  # noqa: E402
@@ -51,7 +52,7 @@ def _infos(entry: dict, data: TensorDict) -> list[dict]:
         versions = data[i][keys.POLICY_VERSION]
         uniq, counts = torch.unique(versions, return_counts=True)
         infos.append({"actor": r["actor"], "seq": r["seq"], "policy_version": int(versions.min()),
-                      "policy_version_max": int(versions.max()), "env_steps": versions.numel(),
+                      "policy_version_max": int(versions.max()), "env_steps": env_steps_of(data[i]),
                       "version_counts": list(zip(uniq.tolist(), counts.tolist())), "episodes": 0,
                       "episode_length_mean": None, "received": None, "sent": None})
     return infos
