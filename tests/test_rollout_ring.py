@@ -381,20 +381,6 @@ def _digest(run_dir: Path, version: int | None = None) -> str:
 
 
 @pytest.mark.slow
-def test_run_local_with_the_ring_trains_every_step_and_leaves_nothing(tmp_path):
-    before = _ring_files()
-    out, seen = _launch(tmp_path, "ring", "--steps", "4096", "--set", "actors.rollout_transport=ring")
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["exit_code"] == 0 and summary["env_steps"] == 4096, summary
-    assert summary["malformed"] == 0 and summary["rejected"] == 0, summary
-    assert seen and seen[0]["rollout_ring"].endswith(".rollouts"), seen
-    consumed = [json.loads(x) for x in (out / "versions.jsonl").read_text().splitlines()]
-    assert sum(e["env_steps"] for e in consumed if e["event"] == "consume") == 4096
-    assert _ring_files() <= before, "a rollout ring file was left in shared memory"
-    assert not Path(seen[0]["rollout_ring"]).exists()
-
-
-@pytest.mark.slow
 def test_a_killed_learners_ring_file_is_removed_by_the_launcher(tmp_path):
     from tests.test_integration import launch, tandem_processes
     out = tmp_path / "killed"
@@ -455,11 +441,25 @@ def test_standard_mode_trains_the_same_weights_through_the_ring(tmp_path):
     """Fixed seed, standard mode (the learner sorts each batch by actor and seq): the weights of a
     version are the same to the bit whichever transport carried the rollouts. Compared at the newest
     version both runs saved (a checkpoint every update), not at the end: whether the last rollout
-    arrives before the step budget stops the run is a race, so one run may train one update more."""
-    common = ("--steps", "10240", "--set", "trainer.buffer_type=standard", "--set", "trainer.save_freq=512")
+    arrives before the step budget stops the run is a race, so one run may train one update more.
+
+    The ring run is also the launcher's run with the ring: it trains every env step of its budget,
+    refuses nothing, and leaves no ring file in shared memory (one run for both: each launch is
+    three process start-ups)."""
+    steps = 10240
+    common = ("--steps", str(steps), "--set", "trainer.buffer_type=standard", "--set", "trainer.save_freq=512")
     zmq_out, _ = _launch(tmp_path, "zmq", *common)
+    before = _ring_files()
     ring_out, seen = _launch(tmp_path, "ring", *common, "--set", "actors.rollout_transport=ring")
-    assert seen and "rollout_ring" in seen[0]
+    assert seen and seen[0]["rollout_ring"].endswith(".rollouts"), seen
+    summary = json.loads((ring_out / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["env_steps"] == steps, summary
+    assert summary["malformed"] == 0 and summary["rejected"] == 0, summary
+    consumed = [json.loads(x) for x in (ring_out / "versions.jsonl").read_text().splitlines()]
+    assert sum(e["env_steps"] for e in consumed if e["event"] == "consume") == steps
+    assert _ring_files() <= before, "a rollout ring file was left in shared memory"
+    assert not Path(seen[0]["rollout_ring"]).exists()
+
     saved = [{int(p.stem.split("_")[1]) for p in (out / "checkpoints").glob("ckpt_*.pt")}
              for out in (zmq_out, ring_out)]
     common_version = max(saved[0] & saved[1])
