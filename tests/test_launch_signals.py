@@ -160,10 +160,11 @@ def test_group_sigterm_writes_final_checkpoint_and_summary(tmp_path):
 @pytest.mark.slow
 def test_group_sigterm_with_the_launchers_reader_in_the_group(tmp_path):
     """`run_local.sh | cat` in one group: the reader of the launcher's output dies at once, so
-    the launcher and the tees write to a closed pipe; the run still ends cleanly."""
+    the launcher and the tees write to a closed pipe; the run still ends cleanly. (One actor and no
+    evaluator: the test above stops the whole default run with a group SIGTERM.)"""
     run_dir = tmp_path / "run"
     log_path = tmp_path / "launch.out"
-    proc, log = _start(["bash", "-c", 'bash "$0" "$@" | cat', str(LAUNCH),
+    proc, log = _start(["bash", "-c", 'bash "$0" "$@" | cat', str(LAUNCH), "--no-eval", "--actors", "1",
                         "--steps", "1000000", "--out", str(run_dir)], log_path)
     pgid = proc.pid
     try:
