@@ -145,9 +145,11 @@ def test_an_unknown_task_is_named():
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_trains_through_the_launcher(tmp_path, algo):
-    """A short PushCube run: versions go up, success reaches the logs (train and eval)."""
+    """A short PushCube run: versions go up, success reaches the logs (train and eval). One actor (each
+    ManiSkill process start-up builds a PhysX scene): 200 env steps a rollout, an update each."""
     run = tmp_path / "run"
-    sets = ["trainer.eval_freq=1600", "trainer.num_eval_episodes=4", "actors.num_envs=4", "trainer.buffer_size=50"]
+    sets = ["actors.num_actors=1", "trainer.eval_freq=1600", "trainer.num_eval_episodes=4", "actors.num_envs=4",
+            "trainer.buffer_size=50"]
     if algo == "grpo":
         sets += ["algorithm.name=grpo", "policy.name=actor_only", 'algorithm.cfg={"group_size": 2, "n_epochs": 2, "batch_size": 100, "reset_every_rollout": true, "truncate_at_first_done": true}']
     args = ["bash", str(ROOT / "launch" / "run_local.sh"), "--config", str(ROOT / "configs" / "maniskill_pushcube_ppo.json"),

@@ -71,9 +71,11 @@ def test_truncation_auto_resets_with_true_final_obs_and_group_seeds(env):
 
 
 def test_trains_through_the_launcher(tmp_path):
+    """One actor of 32 envs (each Warp process start-up loads its kernels): 2048 env steps a rollout, four
+    updates, and the evaluator on its device."""
     run = tmp_path / "run"
     p = subprocess.run(["bash", str(ROOT / "launch" / "run_local.sh"), "--config", str(ROOT / "configs" /
-                        "mjwarp_halfcheetah_ppo.json"), "--steps", "8192", "--out", str(run),
+                        "mjwarp_halfcheetah_ppo.json"), "--steps", "8192", "--actors", "1", "--out", str(run),
                         "--set", "trainer.eval_freq=4096", "--set", f'actors.devices=["{DEV}"]', "--set", f"trainer.eval_device={DEV}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400, start_new_session=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
