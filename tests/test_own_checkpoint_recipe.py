@@ -21,8 +21,9 @@ from foreign_vla import make_tokenizer, save_foreign_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "guides" / "finetune_your_own_vla.md"
-# Appended to each command: the same run, shorter (argparse and --set take the last value given).
-SHORT = {"launch/run_local.sh": ["--steps", "512", "--set", "trainer.eval_freq=256", "--set",
+# Appended to each command: the same run, shorter (argparse and --set take the last value given), with
+# one actor (each VLA process start-up loads transformers and the model; two actors act as one here).
+SHORT = {"launch/run_local.sh": ["--steps", "512", "--actors", "1", "--set", "trainer.eval_freq=256", "--set",
                                  "trainer.num_eval_episodes=8", "--set", "actors.num_envs=8", "--set",
                                  "trainer.buffer_size=16"],
          "launch/evaluate.py": ["--episodes", "16", "--batch", "16"]}
@@ -53,8 +54,10 @@ def test_the_recipe_runs_on_a_save_pretrained_checkpoint(tmp_path):
             args[0] = sys.executable
         tool = next(k for k in SHORT if k in args[:2])
         extra = SHORT[tool] + (["--record"] if i == 0 else [])
-        if "vla_own_reach_grpo" in line:     # 8 envs x 16 steps x 2 actors: two groups of 4 per actor
-            extra += ["--set", "algorithm.cfg.batch_size=128"]
+        if "vla_own_reach_grpo" in line:     # 8 envs x 16 steps: two groups of 4, one minibatch
+            # and no evaluator: nothing reads the GRPO run's evaluations (the PPO run's best checkpoint is
+            # the one the third command evaluates)
+            extra += ["--set", "algorithm.cfg.batch_size=128", "--no-eval"]
         p = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                            start_new_session=True)
         assert p.returncode == 0, f"{line}\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
