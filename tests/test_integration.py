@@ -356,13 +356,14 @@ def test_run_local_two_actors_versions(tmp_path):
     assert json.loads(out.read_text())["version"] == best["version"]
 
 
-@pytest.mark.slow
-def test_vla_mode_runs(tmp_path):
-    run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
-                 "--set", "trainer.eval_freq=0")
-    finish(run, run_dir)
+# The launcher's run with --no-eval in vla mode; test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it
+# launches it (under a stand-in MPS daemon) and checks it here: one launch for both.
+VLA_MODE_RUN = ("--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
+                "--set", "trainer.eval_freq=0")
 
+
+def check_vla_mode_run(run_dir: Path) -> None:
+    """What a vla-mode run (:data:`VLA_MODE_RUN`) must have written."""
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["trainer"]["buffer_type"] == "async"           # "vla", the older spelling, is read as async
     assert cfg["algorithm"]["cfg"]["correction"] == "trust"   # the default resolved for async mode
@@ -486,7 +487,9 @@ def test_sigterm_during_a_long_update_stops_in_time(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_version(tmp_path):
     run_dir = tmp_path / "run"
-    first = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.eval_freq=0",
+    # one actor: what is checked is the learner's counters and versions across the resume (two actors
+    # and a resume: test_faults.py's killed learner)
+    first = launch(tmp_path, run_dir, "--no-eval", "--actors", "1", "--steps", "4000", "--set", "trainer.eval_freq=0",
                    name="first")
     try:
         assert first.wait(RUN_TIMEOUT_S) == 0, first.output()
@@ -499,7 +502,7 @@ def test_resume_continues_version(tmp_path):
     m_before = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert ckpt["version"] >= 1 and ckpt["env_steps"] >= 4000
 
-    second = launch(tmp_path, run_dir, "--no-eval", "--resume", "--actors", "2", "--steps", "8000",
+    second = launch(tmp_path, run_dir, "--no-eval", "--resume", "--actors", "1", "--steps", "8000",
                     "--set", "trainer.eval_freq=0", name="second")
     try:
         assert second.wait(RUN_TIMEOUT_S) == 0, second.output()
@@ -675,15 +678,16 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
 
 
 def test_grpo_with_dynamic_sampling_through_a_server_acts_each_group_with_one_version(tmp_path):
-    """GRPO in vla mode through an inference server, each actor's envs in two parts (two requests in
-    flight, each of whole groups), with dynamic sampling, through the launcher. From the recorded
-    batches: at every step all members of a group acted with one version (a group is always in one
-    request, which one batch serves), and the updates counted the groups kept and left out."""
+    """GRPO in vla mode through an inference server, the actor's envs in two parts (two requests in
+    flight, each of whole groups), with dynamic sampling, through the launcher (one actor: its two
+    parts are what different batches can serve). From the recorded batches: at every step all members
+    of a group acted with one version (a group is always in one request, which one batch serves), and
+    the updates counted the groups kept and left out."""
     from tensordict import TensorDict
     run_dir = tmp_path / "run"
     group = 4
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "cartpole_grpo.json"),
-                 "--steps", "12800", "--set", "trainer.eval_freq=0", "--set", "trainer.buffer_type=vla",
+                 "--actors", "1", "--steps", "12800", "--set", "trainer.eval_freq=0", "--set", "trainer.buffer_type=vla",
                  "--set", "trainer.buffer_size=100", "--set", "trainer.record=true",
                  "--set", "actors.inference=server", "--set", "actors.server_splits=2",
                  "--set", f"algorithm.cfg.group_size={group}", "--set", "algorithm.cfg.dynamic_sampling=true")
@@ -737,7 +741,7 @@ def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_
     process of the run, every process inherits its directories, and the daemon is told to quit
     (and its pipe directory removed) once they have all ended. Without the daemon on PATH, --mps is
     refused before anything starts. (Here a stand-in records what it is asked; a GPU run is in
-    benchmarks/gpu_session.sh.)"""
+    benchmarks/gpu_session.sh.) The run is :data:`VLA_MODE_RUN`, checked by :func:`check_vla_mode_run`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "nvidia-cuda-mps-control"
@@ -746,8 +750,8 @@ def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_
     calls = tmp_path / "mps_calls.txt"
     env = {**_env(launcher_python=True), "PATH": f"{bin_dir}:{os.environ['PATH']}", "TANDEM_FAKE_MPS_LOG": str(calls)}
     run_dir = tmp_path / "run"
-    run = Started(["bash", str(LAUNCH), "--out", str(run_dir), "--mps", "--no-eval", "--actors", "1",
-                   "--steps", "1024"], tmp_path / "launch.out", env=env)
+    run = Started(["bash", str(LAUNCH), "--out", str(run_dir), "--mps", *VLA_MODE_RUN], tmp_path / "launch.out",
+                  env=env)
     seen: dict[str, str] = {}
 
     def inherited() -> None:
@@ -763,6 +767,7 @@ def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_
     assert lines[1].split()[1] == pipe and log_dir == str(run_dir / "logs" / "mps")
     assert seen.get("learner") == pipe and seen.get("actors") == pipe, seen      # both roles inherited it
     assert not Path(pipe).exists() and "CUDA MPS" in out
+    check_vla_mode_run(run_dir)     # the run itself: vla mode through the launcher
 
     fake.write_text(FAKE_MPS.replace('if [[ "${1:-}" == -d ]]; then', 'if [[ "${1:-}" == -d ]]; then exit 1'))
     failed = subprocess.run(["bash", str(LAUNCH), "--out", str(tmp_path / "failed"), "--mps"], cwd=ROOT, env=env,
