@@ -141,7 +141,7 @@ def test_a_run_on_a_disk_full_from_the_start_ends_by_itself(tmp_path, tiny_fs, a
     from tests.test_integration import launch
     fs = tiny_fs("200k")
     run_dir = fs / "run"
-    run = launch(tmp_path, run_dir, "--no-eval", "--steps", "200000", "--set", "trainer.save_freq=2000",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "1", "--steps", "200000", "--set", "trainer.save_freq=2000",
                  name=f"full{attempt}")
     try:
         rc = run.wait(90)
@@ -158,7 +158,7 @@ def test_a_disk_filled_mid_run_ends_it_within_60_s_and_resume_goes_on_once_space
     from tests.test_integration import finish, launch
     fs = tiny_fs("8m")
     run_dir = fs / "run"
-    args = ("--no-eval", "--set", "trainer.save_freq=2000", "--set", "trainer.eval_freq=0")
+    args = ("--no-eval", "--actors", "1", "--set", "trainer.save_freq=2000", "--set", "trainer.eval_freq=0")
     run = launch(tmp_path, run_dir, *args, "--steps", "400000", name=f"mid{attempt}")
     filler = fs / "filler"
     try:

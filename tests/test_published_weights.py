@@ -84,11 +84,12 @@ def test_an_actor_with_another_base_is_refused_with_both_digests(caplog):
 def test_action_token_vla_with_lora_trains_through_the_launcher(tmp_path):
     """The tiny PaliGemma action-token policy with LoRA, as separate learner, actor and evaluator
     processes: every process builds the same base (digests agree: nothing refused), and what
-    travels and what is checkpointed is the LoRA tensors and the value head only."""
+    travels and what is checkpointed is the LoRA tensors and the value head only. (One actor: a
+    second would build the same base once more.)"""
     from tests.test_integration import ROOT, launch, read_jsonl
     run_dir = tmp_path / "run"
     run = launch(tmp_path, run_dir, "--config", str(ROOT / "configs" / "vla_tokens_reach_smoke.json"),
-                 "--steps", "2048")
+                 "--actors", "1", "--steps", "2048")
     try:
         assert run.wait(240) == 0, run.output()
     finally:

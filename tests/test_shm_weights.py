@@ -82,7 +82,8 @@ def test_learner_publishes_through_shm_and_actor_loads_it(transport, request):
 def test_run_with_shm_weights_trains_and_leaves_nothing(tmp_path):
     run = tmp_path / "run"
     before = set(Path("/dev/shm").glob("tandem-*")) if Path("/dev/shm").is_dir() else set()
-    p = subprocess.run(["bash", str(ROOT / "launch" / "run_local.sh"), "--steps", "6000", "--out", str(run),
+    # one actor and the evaluator: two processes read the learner's weights from shared memory
+    p = subprocess.run(["bash", str(ROOT / "launch" / "run_local.sh"), "--steps", "6000", "--actors", "1", "--out", str(run),
                         "--set", "learner.weights_transport=shm", "--set", "trainer.eval_freq=3000"],
                        cwd=ROOT, capture_output=True, text=True, timeout=180, start_new_session=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

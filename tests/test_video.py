@@ -217,10 +217,12 @@ print(lengths[1], v.shape, float(v.std()))
 def test_launcher_run_writes_videos_that_decode(tmp_path, when):
     """launch/run_local.sh on HalfCheetah with trainer.video on: an MP4 per recorded evaluation
     (every 2nd, and the final one), each decodable, with the configured frame count and size, whether
-    rendered during the run or replayed after it."""
+    rendered during the run or replayed after it. One actor at twice the pace of each of the config's
+    two (the same env steps a second, one process less)."""
     run = tmp_path / "run"
     cmd = ["bash", str(ROOT / "launch" / "run_local.sh"), "--config", str(ROOT / "configs" / "halfcheetah_ppo.json"),
-           "--steps", "4096", "--out", str(run), "--set", "trainer.eval_freq=1024", "--set", "actors.slowdown_s=0.01",
+           "--steps", "4096", "--actors", "1", "--out", str(run), "--set", "trainer.eval_freq=1024",
+           "--set", "actors.slowdown_s=0.005",
            "--set", "trainer.buffer_size=64",
            "--set", "trainer.num_eval_episodes=2", "--set", "trainer.video.every=2",
            "--set", "trainer.video.max_frames=12", "--set", "trainer.video.episodes=1",
