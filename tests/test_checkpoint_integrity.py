@@ -135,20 +135,28 @@ def test_evaluate_refuses_a_damaged_checkpoint_with_a_clear_error(tmp_path):
 def test_the_launcher_resumes_past_a_damaged_checkpoint_and_reports_only_its_own_summary(tmp_path):
     """A run leaves checkpoints; the newest is truncated. --resume goes on from the one before and
     its summary names both; --resume-from the damaged file fails with no fallback, and the launcher
-    then says it has no summary instead of printing the earlier launch's."""
+    then says it has no summary instead of printing the earlier launch's. The resume is also the
+    launcher's resume test: versions, env steps, updates and the actors' weights go on from the
+    checkpoint it resumed from (tests.test_integration.assert_resume_continues)."""
     import json
-    from tests.test_integration import RUN_TIMEOUT_S, finish, launch
+    from tests.test_integration import (RUN_TIMEOUT_S, assert_resume_continues, finish, launch, load_ckpt,
+                                        read_jsonl)
     run_dir = tmp_path / "run"
     common = ("--no-eval", "--actors", "1", "--set", "trainer.eval_freq=0", "--set", "trainer.save_freq=512")
     finish(launch(tmp_path, run_dir, *common, "--steps", "2048", name="first"), run_dir)
     older, newest = list_checkpoints(run_dir / "checkpoints")[-2:]
     newest.write_bytes(newest.read_bytes()[:5000])
+    ckpt = load_ckpt(older)
+    assert ckpt["version"] >= 1
+    n_before = len(read_jsonl(run_dir / "versions.jsonl"))
+    m_before = len(read_jsonl(run_dir / "metrics.jsonl"))
 
     out = finish(launch(tmp_path, run_dir, *common, "--resume", "--steps", "3072", name="second"), run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] == str(older), out
     assert len(summary["resume_skipped"]) == 1 and newest.name in summary["resume_skipped"][0], out
     assert f'"resumed_from":"{older}"' in out.replace(" ", "")             # the printed summary is this launch's
+    assert_resume_continues(run_dir, ckpt, n_before, m_before, steps=3072)
 
     damaged = list_checkpoints(run_dir / "checkpoints")[-1]
     damaged.write_bytes(damaged.read_bytes()[:5000])
