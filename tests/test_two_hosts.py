@@ -82,12 +82,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 PROBE = r"""
-import sys, zmq, json
+import sys, time, zmq, json
 from shared.security import generate_keypair, load_secret, load_public
 eps = json.load(open(sys.argv[1])); keys = sys.argv[2]; tmp = sys.argv[3]
 _, sec = generate_keypair(tmp, "stranger")
 pub, secret = load_secret(sec, "probe"); server = load_public(keys + "/learner.key", "probe")
-ctx = zmq.Context(); got = []
+ctx = zmq.Context(); got = []; listening = {}
 for with_key in (False, True):
     s = ctx.socket(zmq.SUB); s.setsockopt(zmq.LINGER, 0); s.setsockopt(zmq.SUBSCRIBE, b"")
     p = ctx.socket(zmq.PUSH); p.setsockopt(zmq.LINGER, 0)
@@ -99,7 +99,16 @@ for with_key in (False, True):
         p.send(b"x" * 100, flags=zmq.NOBLOCK); sent = True
     except zmq.Again:
         sent = False
-    got.append({"with_key": with_key, "weights": s.poll(3000), "push_accepted": sent})
+    got.append({"with_key": with_key, "weights": 0, "push_accepted": sent})
+    listening[s] = got[-1]
+poller = zmq.Poller()
+for s in listening:
+    poller.register(s, zmq.POLLIN)
+deadline = time.monotonic() + 3          # both subscribers listen for 3 s, side by side
+while listening and (left := deadline - time.monotonic()) > 0:
+    for s, event in poller.poll(left * 1000):
+        listening.pop(s)["weights"] = event
+        poller.unregister(s)
 print(json.dumps(got)); ctx.destroy(linger=0)
 """
 
