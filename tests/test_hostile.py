@@ -1,18 +1,22 @@
 """Issue 12, done-when 1: every hostile class sent to a running learner over real sockets.
 
-A CartPole run (vla mode, two real actors, the evaluator on) is attacked on its rollout socket
-with: the 60-byte zero-size giant-shape header, rollouts that fit the schema but carry what no
-policy produces, forged evaluation results, and 10,000 seeded mutations of valid rollouts
-(``tests/hostile.py``), some of them forged under the real actors' ids. Training must go on for
-at least 10 more versions, every message must be accounted for (malformed, refused, or a
-consume/drop line of its own in versions.jsonl), and every weights message the learner publishes
-throughout must hold finite numbers only.
+A CartPole run (vla mode, two real actors, the evaluator on) is attacked on its rollout socket, in
+two rounds. First 10,000 malformed messages (``tests.test_faults.malformed_messages``: random bytes,
+broken headers, wrong lengths, huge shapes): each is counted exactly once, training goes on, the
+learner's memory stays within 10%. Then the 60-byte zero-size giant-shape header, rollouts that fit
+the schema but carry what no policy produces, forged evaluation results, and 10,000 seeded mutations
+of valid rollouts (``tests/hostile.py``), some of them forged under the real actors' ids. Training
+must go on for at least 10 more versions, every message must be accounted for (malformed, refused,
+or a consume/drop line of its own in versions.jsonl), every weights message the learner publishes
+throughout must hold finite numbers only, and once stopped the run frees its ports. (One run for
+both rounds: each launch is four process start-ups.)
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 
 import msgpack
 import pytest
@@ -24,10 +28,12 @@ from learner.learner import env_spec_of
 from shared import wire
 from shared.config import load_config
 from tests.hostile import FORGER_SEQ, mutated_message, rollout_meta, schema_attacks, valid_rollout
+from tests.test_faults import _learner_pid, _port_free, _rss, malformed_messages
 from tests.test_integration import CONFIG, launch, read_jsonl
 
 pytestmark = pytest.mark.slow
 N_MUTATIONS = 10_000
+N_MALFORMED = 10_000
 
 
 def _events(run_dir, event: str) -> list[dict]:
@@ -129,6 +135,12 @@ def _accounted(run_dir) -> int:
     return metrics[-1]["wire/malformed"] + metrics[-1]["wire/rejected"] + _forged_accounted(run_dir)
 
 
+def _counted(run_dir) -> tuple[int, int]:
+    """The learner's malformed and rejected counts in its newest metrics line."""
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "wire/malformed" in m]
+    return (int(metrics[-1]["wire/malformed"]), int(metrics[-1]["wire/rejected"])) if metrics else (0, 0)
+
+
 def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
     import zmq
 
@@ -145,13 +157,31 @@ def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
         _check_weights(sub, weights_checked, nonfinite)
 
     try:
-        assert run.wait(120, until=lambda: _last_version(run_dir) >= 3) is None, run.output()
+        # round 1: 10,000 malformed messages, once the learner's memory has settled (20 versions)
+        assert run.wait(120, until=lambda: _last_version(run_dir) >= 20) is None, run.output()
+        pid = _learner_pid(run_dir)
+        endpoints = json.loads((run_dir / "endpoints.json").read_text())
+        rss_before = max(_rss(pid) for _ in range(5) if time.sleep(0.2) is None)
+        v_before = _last_version(run_dir)
         sub, push = _connect(ctx, run_dir)
+        for frames in malformed_messages(N_MALFORMED):
+            push.send_multipart(frames)              # blocks at the learner's high-water mark: none is lost
+            check_weights(sub)
+        assert run.wait(120, until=lambda: sum(_counted(run_dir)) >= N_MALFORMED,
+                        every=lambda: check_weights(sub)) is None, run.output()
+        malformed_1, rejected_1 = _counted(run_dir)
+        assert malformed_1 + rejected_1 == N_MALFORMED, (malformed_1, rejected_1)   # every one, exactly once
+        assert malformed_1 > 9_000
+        assert run.wait(60, until=lambda: _last_version(run_dir) >= v_before + 10,
+                        every=lambda: check_weights(sub)) is None, "training stopped"
+        rss_after = _rss(pid)
+
+        # round 2: every hostile class
         sent = _attack(push, run_dir, template, spec, lambda: check_weights(sub))
         total = sum(sent.values())
         v_after_attack = _last_version(run_dir)
         assert run.wait(180, until=lambda: (_last_version(run_dir) >= v_after_attack + 10
-                                            and _accounted(run_dir) >= total),
+                                            and _accounted(run_dir) >= N_MALFORMED + total),
                         every=lambda: check_weights(sub)) is None, run.output()
         check_weights(sub)
         push.close()
@@ -159,23 +189,30 @@ def test_hostile_messages_never_stop_training_and_are_all_counted(tmp_path):
         run.proc.send_signal(15)
         rc = run.proc.wait(timeout=60)
         run.assert_all_gone(run_dir, timeout_s=10)
+        assert _port_free(endpoints["rollouts"]) and _port_free(endpoints["weights"])
+        assert not (run_dir / "endpoints.json").exists()
     finally:
         ctx.destroy(linger=0)
         run.stop()
     summary = json.loads((run_dir / "summary.json").read_text())
     forged_lines = _forged_accounted(run_dir)
-    print(f"\n[hostile] sent {sent} = {total}: malformed {summary['malformed']}, refused {summary['rejected']}, "
-          f"forged rollouts accepted and logged {forged_lines}; versions {v_after_attack} -> {summary['version']}; "
-          f"weights messages checked finite: {len(weights_checked)}; skipped steps {summary['skipped_steps']}")
+    print(f"\n[hostile] {N_MALFORMED:,} malformed messages: malformed {malformed_1}, rejected {rejected_1}; "
+          f"learner RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB ({rss_after / rss_before - 1:+.1%})")
+    print(f"[hostile] sent {sent} = {total}: malformed {summary['malformed'] - malformed_1}, refused "
+          f"{summary['rejected'] - rejected_1}, forged rollouts accepted and logged {forged_lines}; versions "
+          f"{v_after_attack} -> {summary['version']}; weights messages checked finite: {len(weights_checked)}; "
+          f"skipped steps {summary['skipped_steps']}")
     assert rc == 143, run.output()
+    assert rss_after <= 1.10 * rss_before, f"learner RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
     # every message counted exactly once (after SIGTERM, held forgeries leave "shutdown" drop lines)
-    assert summary["malformed"] + summary["rejected"] + forged_lines == total, summary
-    assert summary["malformed"] >= sent["giant"] and summary["rejected"] >= sent["schema"] + sent["eval"]
+    assert summary["malformed"] + summary["rejected"] + forged_lines == N_MALFORMED + total, summary
+    assert summary["malformed"] - malformed_1 >= sent["giant"]
+    assert summary["rejected"] - rejected_1 >= sent["schema"] + sent["eval"]
     assert summary["version"] >= v_after_attack + 10
     assert not nonfinite, f"non-finite weights published: {nonfinite[:3]}"
     assert len(weights_checked) >= 10
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert not any(m.get("eval/return_mean") == 12345.0 for m in metrics), "a forged evaluation was logged"
     log = (run_dir / "logs" / "learner.log").read_text()
-    assert "rejected message #1 from tcp://127.0.0.1" in log      # refusals name the sender
-
+    assert "dropped malformed message #1 from tcp://127.0.0.1" in log   # logged with the sender's address
+    assert "rejected message #1 from tcp://127.0.0.1" in log            # refusals name the sender
