@@ -657,21 +657,31 @@ def test_reach_token_vla_trains_through_inference_servers_and_survives_a_killed_
     assert not stale.exists() or json.loads(stale.read_text())["batches"] < 1000000000
 
 
-def test_grpo_with_dynamic_sampling_through_a_server_acts_each_group_with_one_version(tmp_path):
-    """GRPO in vla mode through an inference server, the actor's envs in two parts (two requests in
-    flight, each of whole groups), with dynamic sampling, through the launcher (one actor: its two
-    parts are what different batches can serve). From the recorded batches: at every step all members
-    of a group acted with one version (a group is always in one request, which one batch serves), and
-    the updates counted the groups kept and left out."""
+def test_two_servers_on_one_device_deal_out_the_actors_and_each_grpo_group_acts_with_one_version(tmp_path):
+    """GRPO in vla mode through inference servers, with dynamic sampling, through the launcher.
+
+    actors.servers_per_device 2: two servers for the one device, actors dealt out in turn (0 and 2 to
+    server 0, 1 and 3 to server 1), each acting for its own, and the run ends normally with every
+    actor's rollouts trained on. Each actor's envs are in two parts (two requests in flight, each of
+    whole groups): from the recorded batches, at every step all members of a group acted with one
+    version (a group is always in one request, which one batch serves), and the updates counted the
+    groups kept and left out. (One run for both: each launch is seven process start-ups.)"""
     from tensordict import TensorDict
     run_dir = tmp_path / "run"
     group = 4
     run = launch(tmp_path, run_dir, "--no-eval", "--config", str(ROOT / "configs" / "cartpole_grpo.json"),
-                 "--actors", "1", "--steps", "12800", "--set", "trainer.eval_freq=0", "--set", "trainer.buffer_type=vla",
+                 "--actors", "4", "--steps", "12800", "--set", "trainer.eval_freq=0", "--set", "trainer.buffer_type=vla",
                  "--set", "trainer.buffer_size=100", "--set", "trainer.record=true",
-                 "--set", "actors.inference=server", "--set", "actors.server_splits=2",
+                 "--set", "actors.inference=server", "--set", "actors.servers_per_device=2",
+                 "--set", "actors.server_splits=2",
                  "--set", f"algorithm.cfg.group_size={group}", "--set", "algorithm.cfg.dynamic_sampling=true")
     finish(run, run_dir)
+    for server, actors in ((0, "[0, 2]"), (1, "[1, 3]")):
+        log = (run_dir / "logs" / f"inference_{server}.log").read_text()
+        assert f"inference server {server} on cpu for actors {actors}" in log, log
+        assert re.search(rf"inference server {server}: stopping after [1-9]\d* batches", log), log
+    assert {e["actor"] for e in consumes(read_jsonl(run_dir / "versions.jsonl"))} == {0, 1, 2, 3}
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["updates"] >= 2 and summary["malformed"] == 0, summary
     updates = update_lines(read_jsonl(run_dir / "metrics.jsonl"))
@@ -686,24 +696,6 @@ def test_grpo_with_dynamic_sampling_through_a_server_acts_each_group_with_one_ve
         assert (by_group == by_group[:, :, :1]).all(), f"{path.name}: a group acted with two versions at one step"
         acted.update(versions.unique().tolist())
     assert len(acted) >= 2, acted                                           # versions did change under way
-    log = (run_dir / "logs" / "inference_0.log").read_text()
-    assert re.search(r"inference server 0: stopping after [1-9]\d* batches", log), log
-
-
-def test_two_inference_servers_on_one_device_deal_out_its_actors(tmp_path):
-    """actors.servers_per_device 2 through the launcher: two servers for the one device, actors dealt out
-    in turn (0 and 2 to server 0, 1 and 3 to server 1), each acting for its own, and the run ends
-    normally with every actor's rollouts trained on."""
-    run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "4", "--steps", "4096", "--set", "trainer.eval_freq=0",
-                 "--set", "trainer.buffer_type=vla", "--set", "actors.inference=server",
-                 "--set", "actors.servers_per_device=2")
-    finish(run, run_dir)
-    for server, actors in ((0, "[0, 2]"), (1, "[1, 3]")):
-        log = (run_dir / "logs" / f"inference_{server}.log").read_text()
-        assert f"inference server {server} on cpu for actors {actors}" in log, log
-        assert re.search(rf"inference server {server}: stopping after [1-9]\d* batches", log), log
-    assert {e["actor"] for e in consumes(read_jsonl(run_dir / "versions.jsonl"))} == {0, 1, 2, 3}
 
 
 FAKE_MPS = """#!/usr/bin/env bash
