@@ -8,7 +8,8 @@ ids in the observation. Token ids, not text, travel on the wire, so the learner 
 tokenizer; only the processes that step envs (actors, the evaluator) load it.
 
 The tokenizer is ``tokenizer.json`` (the format of Hugging Face's ``tokenizers``, which every fast
-transformers tokenizer saves), found at ``vla_config.tokenizer`` or else in ``vla_config.model_path``.
+transformers tokenizer saves), found at the policy block's ``tokenizer`` or else in its ``model_path``:
+``policy.vla_config`` for ``policy.name: "vla"``, ``policy.flow_config`` for ``"flow_vla"`` (π0).
 Special tokens (bos, eos) are not added: the policy builds its own prompt around the instruction.
 
 :func:`check_instruction_vocabulary` refuses an env and a model that do not share a vocabulary: an
@@ -59,7 +60,8 @@ class InstructionTokenizer:
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
             raise InstructionError(f"{path}: no {TOKENIZER_FILE} (save the checkpoint's tokenizer with "
-                                   f"tokenizer.save_pretrained(dir), or set vla_config.tokenizer)")
+                                   f"tokenizer.save_pretrained(dir), or set vla_config.tokenizer, or "
+                                   f"flow_config.tokenizer for π0)")
         try:
             from tokenizers import Tokenizer
             self._tok = Tokenizer.from_file(str(file))
@@ -123,16 +125,26 @@ class ShapeOnlyTokenizer:
         return torch.zeros(len(texts), length, dtype=torch.int64)
 
 
+def model_block(cfg: Config) -> tuple[str, object | None]:
+    """The policy block that names the model and its tokenizer: ``("vla_config", cfg.policy.vla_config)``
+    for ``policy.name: "vla"``, ``("flow_config", cfg.policy.flow_config)`` for ``"flow_vla"``, else
+    ``("vla_config", None)``."""
+    if cfg.policy.name == "flow_vla":
+        return "flow_config", cfg.policy.flow_config
+    return "vla_config", cfg.policy.vla_config if cfg.policy.name == "vla" else None
+
+
 def tokenizer_path(cfg: Config) -> Path | None:
-    """Where the instruction tokenizer is: ``vla_config.tokenizer``, else ``model_path`` when it holds a
-    ``tokenizer.json``; None without a VLA policy or a tokenizer."""
-    vla = cfg.policy.vla_config if cfg.policy.name == "vla" else None
-    if vla is None:
+    """Where the instruction tokenizer is: the policy block's ``tokenizer`` (``vla_config`` or
+    ``flow_config``, :func:`model_block`), else its ``model_path`` when that holds a ``tokenizer.json``;
+    None without a VLA policy or a tokenizer."""
+    block = model_block(cfg)[1]
+    if block is None:
         return None
-    if vla.tokenizer:
-        return Path(vla.tokenizer)
-    if vla.model_path and (Path(vla.model_path) / TOKENIZER_FILE).is_file():
-        return Path(vla.model_path)
+    if block.tokenizer:
+        return Path(block.tokenizer)
+    if block.model_path and (Path(block.model_path) / TOKENIZER_FILE).is_file():
+        return Path(block.model_path)
     return None
 
 
@@ -158,12 +170,13 @@ def instruction_tokenizer(cfg: Config) -> InstructionTokenizer | None:
         return None
     path = tokenizer_path(cfg)
     if path is None:
-        model_path = cfg.policy.vla_config.model_path if cfg.policy.vla_config else ""
+        name, block = model_block(cfg)
+        model_path = block.model_path if block is not None else ""
         raise InstructionError(f"{cfg.source}: env.cfg asks for text instructions, which are tokenized with the "
                                f"model's tokenizer, but there is none: no {TOKENIZER_FILE} in "
-                               f"vla_config.model_path {model_path!r}, and vla_config.tokenizer is not set. Save "
+                               f"{name}.model_path {model_path!r}, and {name}.tokenizer is not set. Save "
                                f"the tokenizer beside the weights (tokenizer.save_pretrained(dir)), set "
-                               f"policy.vla_config.tokenizer to a {TOKENIZER_FILE}, or {_ids_instead(cfg)}")
+                               f"policy.{name}.tokenizer to a {TOKENIZER_FILE}, or {_ids_instead(cfg)}")
     return InstructionTokenizer(path)
 
 
@@ -194,19 +207,29 @@ def check_instruction_vocabulary(cfg: Config, spec: EnvSpec, policy) -> None:
             f"{cfg.source}: env {cfg.env.id} gives instruction ids of its own vocabulary ({said}), but the model "
             f"reads ids of its tokenizer ({path}): the ids would mean other words. Set env.cfg.instructions to "
             f"'text' so that the actors tokenize the instructions with the model's tokenizer")
+    if said == TEXT and path is not None:
+        _check_tokenizer_fits(cfg, InstructionTokenizer(path), policy)
+
+
+def _check_tokenizer_fits(cfg: Config, tok: InstructionTokenizer, policy) -> None:
+    """The tokenizer's ids fit the model's embedding table, and its padding id is the one the policy masks
+    (the action-token VLA's ``model.instruction_pad_id``, π0's ``policy.instruction_pad_id``)."""
+    name, block = model_block(cfg)
     model = getattr(policy, "model", None)
-    head = model.model.get_input_embeddings() if hasattr(getattr(model, "model", None), "get_input_embeddings") \
-        else None
-    if said == TEXT and path is not None and head is not None:
-        tok = InstructionTokenizer(path)
-        rows = head.weight.shape[0]
-        if tok.vocab_size > rows:
-            raise InstructionError(
-                f"{cfg.source}: the tokenizer {tok.source} has {tok.vocab_size} ids, the model "
-                f"({cfg.policy.vla_config.model_class} at {cfg.policy.vla_config.model_path!r}) embeds {rows}: they "
-                f"are not the same vocabulary (set vla_config.tokenizer to the model's own)")
-        pad = getattr(model, "instruction_pad_id", None)
-        if tok.pad_id is not None and pad is not None and tok.pad_id != pad:
-            raise InstructionError(
-                f"{cfg.source}: the tokenizer {tok.source} pads with id {tok.pad_id}, the model masks id {pad}: set "
-                f"vla_config.model_config.instruction_pad_id to {tok.pad_id}")
+    embed = getattr(getattr(model, "model", None), "get_input_embeddings", None)
+    if embed is None:
+        return
+    rows = embed().weight.shape[0]
+    what = block.model_class if name == "vla_config" else "π0"
+    if tok.vocab_size > rows:
+        raise InstructionError(
+            f"{cfg.source}: the tokenizer {tok.source} has {tok.vocab_size} ids, the model ({what} at "
+            f"{block.model_path!r}) embeds {rows}: they are not the same vocabulary (set {name}.tokenizer to the "
+            f"model's own)")
+    pad = getattr(policy, "instruction_pad_id", None) if name == "flow_config" \
+        else getattr(model, "instruction_pad_id", None)
+    key = "flow_config.instruction_pad_id" if name == "flow_config" else "vla_config.model_config.instruction_pad_id"
+    if tok.pad_id is not None and pad is not None and tok.pad_id != pad:
+        raise InstructionError(
+            f"{cfg.source}: the tokenizer {tok.source} pads with id {tok.pad_id}, the model masks id {pad}: set "
+            f"{key} to {tok.pad_id}")

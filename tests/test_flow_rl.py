@@ -350,3 +350,84 @@ def test_serial_run_carries_the_chains_from_the_actor_to_the_learner(tmp_path, a
 def test_config_errors_name_the_key(policy, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"policy": policy}, source="flow.json")
+
+
+# ----------------------------------------------------------------------------- text instructions
+
+
+def _save_with_tokenizer(path, words=None):
+    """A tiny π0 with a word-level tokenizer.json beside it (ids 20 and up, <pad> 0: tests/foreign_vla.py)."""
+    from tests.foreign_vla import make_tokenizer
+    save_tiny_pi0(path)
+    tok = make_tokenizer()
+    if words:
+        tok.add_tokens(words)
+    tok.save_pretrained(str(path))
+    return path
+
+
+def _text_config(model_path, **flow):
+    return _config(model_path, blocks={"env": {"cfg": {"instructions": "text", "instruction_length": 2}},
+                                       "trainer": {"buffer_size": 4}, "actors": {"actions_per_call": 4},
+                                       "algorithm": {"cfg": {"batch_size": 16}}}, **flow)
+
+
+def test_text_instructions_use_the_flow_checkpoints_tokenizer(tmp_path):
+    """flow_config.model_path's tokenizer.json (or flow_config.tokenizer) tokenizes Reach's instructions, the
+    policy built on them passes the vocabulary checks, and an actor's observations carry its ids."""
+    from runners.serial import SerialActor
+    from shared.instructions import instruction_tokenizer
+    model = _save_with_tokenizer(tmp_path / "pi0")
+    cfg = _text_config(model, lora={"r": 4})
+    assert instruction_tokenizer(cfg).source == str(model / "tokenizer.json")
+    other = _save_with_tokenizer(tmp_path / "other")
+    assert instruction_tokenizer(_text_config(model, tokenizer=str(other))).source == str(other / "tokenizer.json")
+    actor = SerialActor(cfg, 0)
+    try:
+        rollout = actor.collector.collect(version=0)[0]
+        ids = {tuple(row) for row in rollout[keys.OBS]["instruction"].reshape(-1, 2).tolist()}
+        assert ids <= {(20, 21), (20, 22), (20, 23)} and len(ids) > 1, ids   # "reach red|green|blue", its ids
+        assert rollout[keys.ACTION].shape[-2:] == (H, 2)
+    finally:
+        actor.env.close()
+
+
+def test_text_instruction_errors_name_the_flow_config_keys(tmp_path):
+    from shared.envs.reach import Reach
+    from shared.instructions import InstructionError, instruction_tokenizer
+    spec = Reach.spec_for(instructions="text", instruction_length=2)
+    bare = tmp_path / "bare"
+    save_tiny_pi0(bare)
+    with pytest.raises(InstructionError, match=r"no tokenizer\.json in flow_config\.model_path .*bare.*"
+                                               r"policy\.flow_config\.tokenizer"):
+        instruction_tokenizer(_text_config(bare))
+    model = _save_with_tokenizer(tmp_path / "pi0")
+    with pytest.raises(InstructionError, match=r"pads with id 0, the model masks id 5: set "
+                                               r"flow_config\.instruction_pad_id to 0"):
+        make_policy(_text_config(model, instruction_pad_id=5), spec)
+    big = _save_with_tokenizer(tmp_path / "big", words=[f"w{i}" for i in range(200)])
+    with pytest.raises(InstructionError, match=r"has \d+ ids, the model \(π0 at .*big'\) embeds 128.*"
+                                               r"flow_config\.tokenizer"):
+        make_policy(_text_config(big), spec)
+    assert make_policy(_text_config(model), spec).instruction_pad_id == 0
+
+
+def test_an_env_whose_proprio_does_not_fit_max_state_dim_is_refused_at_start_up(tmp_path):
+    """Caught when the policy is built (each process's start-up), not at every actor's first call."""
+    from shared.envs.reach import Reach
+    make_tiny_pi0(max_state_dim=2).save_pretrained(str(tmp_path / "pi0"))
+    with pytest.raises(VLALoadError, match=r"flow\.json: env tandem/Reach-v0 and the π0 model at "
+                                           r"flow_config\.model_path .*: the env's proprio has 4 dims, more than "
+                                           r"the model's max_state_dim 2"):
+        make_policy(_config(tmp_path / "pi0"), Reach.spec_for())
+
+
+def test_more_actions_per_call_than_the_checkpoints_chunk_is_refused_when_the_policy_is_built(tmp_path):
+    from shared.envs.reach import Reach
+    save_tiny_pi0(tmp_path / "pi0")
+    cfg = _config(tmp_path / "pi0", blocks={"actors": {"num_envs": 4, "actions_per_call": 16}})
+    with pytest.raises(ValueError, match=r"flow\.json: actors\.actions_per_call is 16, but the policy returns "
+                                         r"chunks of 8 actions"):
+        make_policy(cfg, Reach.spec_for())
+    assert make_policy(_config(tmp_path / "pi0", blocks={"actors": {"actions_per_call": 8}}),
+                       Reach.spec_for()).actions_per_call == 8

@@ -64,7 +64,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from shared import keys
-from shared.chunks import executed_sum
+from shared.chunks import actions_per_call, executed_sum
 from shared.config import FlowConfig
 from shared.policies.flow_vla import (Prefix, encode_prefix, expert_pass, load_heads, load_pi0, pi0_inputs,
                                       step_times)
@@ -421,6 +421,26 @@ def resolve_method(cfg) -> str:
     return method or ("noise" if cfg.algorithm.name == "ppo" else "sde")
 
 
+def check_observation(cfg, spec, config) -> None:
+    """Refuse, at start-up, an env whose observation π0 cannot read: no ``rgb`` image, or a ``proprio``
+    longer than the checkpoint's ``max_state_dim`` (else every actor would fail at its first call).
+
+    Raises:
+        VLALoadError: naming the env, the observation key and ``flow_config.model_path``.
+    """
+    where = (f"{cfg.source}: env {cfg.env.id} and the π0 model at flow_config.model_path "
+             f"{cfg.policy.flow_config.model_path!r}")
+    if "rgb" not in spec.obs_keys:
+        raise VLALoadError(f"{where}: π0 reads a camera image, observation key 'rgb'; the env gives "
+                           f"{sorted(spec.obs_keys) or 'a flat vector'}")
+    proprio = spec.obs_keys.get("proprio", ((0,), None))[0]
+    state = math.prod(proprio)
+    if state > config.max_state_dim:
+        raise VLALoadError(f"{where}: the env's proprio has {state} dims, more than the model's max_state_dim "
+                           f"{config.max_state_dim} (config.json): use a checkpoint with a larger state, or an env "
+                           f"whose proprio fits")
+
+
 def build_flow_policy(cfg, spec, describe: bool = False) -> FlowVLAPolicy:
     """``policy.name: "flow_vla"``: the policy from ``policy.flow_config``, checked against the env.
 
@@ -428,7 +448,8 @@ def build_flow_policy(cfg, spec, describe: bool = False) -> FlowVLAPolicy:
     warning; the others log it at debug level).
 
     Raises:
-        VLALoadError: a checkpoint that does not load, or an env whose actions π0 cannot give.
+        VLALoadError: a checkpoint that does not load, or an env whose actions or observation π0 cannot take.
+        ValueError: ``actors.actions_per_call`` above the checkpoint's ``chunk_size``.
     """
     from shared.instructions import check_instruction_vocabulary
 
@@ -438,6 +459,8 @@ def build_flow_policy(cfg, spec, describe: bool = False) -> FlowVLAPolicy:
                            f"has {spec.action.kind} actions")
     policy = FlowVLAPolicy.from_pretrained(f, spec.action.dim, resolve_method(cfg),
                                            with_value=cfg.algorithm.name == "ppo", announce=describe)
+    check_observation(cfg, spec, policy.model.config)
+    actions_per_call(cfg, policy)    # at most the checkpoint's chunk: refused here, not by every actor in turn
     check_instruction_vocabulary(cfg, spec, policy)
     if describe:
         log.info("flow_vla: π0 from %s, %s, K = %d steps, chunks of %d actions (%d of %d dims real)%s",
