@@ -48,6 +48,18 @@ class CurrentPolicy:
         return torch.cat(logps).view(flat.shape), torch.cat(values).view(flat.shape)
 
     @torch.no_grad()
+    def log_probs(self, flat: TensorDictBase) -> torch.Tensor:
+        """The log-prob of the taken actions alone, no critic (``action_log_prob`` where the policy has
+        one): what the drift ratio (learner/drift.py) measures, apart from the correction's own passes."""
+        self.policy.eval()
+        b = flat.reshape(-1)
+        only = getattr(self.policy, "action_log_prob", None)
+        logps = [only(part) if only is not None else self.policy.evaluate_actions(part)[0]
+                 for part in (b[start:start + self.chunk] for start in range(0, b.shape[0], self.chunk))]
+        self.policy.train()
+        return torch.cat(logps).view(flat.shape)
+
+    @torch.no_grad()
     def values(self, flat: TensorDictBase) -> torch.Tensor:
         """V(s) alone (for a separate critic, one network's forward pass instead of two)."""
         self.policy.eval()

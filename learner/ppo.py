@@ -194,7 +194,7 @@ class PPO:
         self.correction = make_correction(cfg, CurrentPolicy(policy, device), count, steps_per_update,
                                           compiled=step is not None)
         self.cfg = self.correction.cfg           # with the correction's defaults filled in
-        self.drift = (DriftMeter(lambda rows: self.correction.now.evaluate(rows)[0], cfg.drift_samples)
+        self.drift = (DriftMeter(self.correction.now.log_probs, cfg.drift_samples)
                       if cfg.drift_samples else None)   # the drift ratio's log
         self.reward_scaler = RewardScaler(cfg.gamma) if cfg.normalize_reward else None
         self._renormalize, self._refresh = True, None
