@@ -20,8 +20,8 @@ import msgpack
 import psutil
 import pytest
 
-from tests.test_integration import (RUN_TIMEOUT_S, Started, _alive, consumes, launch, load_ckpt,
-                                    newest_checkpoint, publishes, read_jsonl)
+from tests.test_integration import (RUN_TIMEOUT_S, Started, _alive, _sigterm_and_wait, consumes, launch,
+                                    load_ckpt, newest_checkpoint, publishes, read_jsonl)
 from tests.test_wire import edit_entry, edit_header, header_of, replace_frame, valid_frames, with_header
 
 pytestmark = pytest.mark.slow
@@ -73,9 +73,14 @@ def _port_free(endpoint: str) -> bool:
 
 # ------------------------------------------------------------------------------------ crashes
 
-def test_sigkill_actor_is_replaced_and_learning_goes_on(tmp_path):
+def test_sigkill_actor_is_replaced_and_learning_goes_on_then_sigterm_stops_everything(tmp_path):
+    """A SIGKILLed actor is restarted by the launcher and its new life trains with current weights;
+    then SIGTERM to the launcher stops everything within 15 s (the learner, both actors, the
+    replacement among them, and the evaluator), exit 143, the learner's final checkpoint and
+    summary.json naming SIGTERM. (One run for what were two tests, this one and
+    test_integration's SIGTERM test: each launch is four process start-ups.)"""
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0")
+    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000")      # the evaluator on
     try:
         assert run.wait(120, until=lambda: _publish_count(run_dir) >= 3) is None, run.output()
         victim, = _procs(run, "--actor-id 1")
@@ -92,10 +97,12 @@ def test_sigkill_actor_is_replaced_and_learning_goes_on(tmp_path):
         new, = _procs(run, "--actor-id 1")
         assert new.pid != victim.pid
         assert "restart" in run.output().lower(), run.output()
-        rc = _stop(run, run_dir)
-        assert rc == 128 + signal.SIGTERM
+        cmdlines = [" ".join(p.cmdline()) for p in run.snapshot() if _alive(p)]
+        assert any("-m learner" in c for c in cmdlines) and sum("-m actors" in c for c in cmdlines) == 2, cmdlines
+        stop_s = _sigterm_and_wait(run, run_dir)     # exit 128 + SIGTERM, nothing of the run left
     finally:
         run.stop()
+    assert stop_s < 15
     events = read_jsonl(run_dir / "versions.jsonl")
     versions = [e["version"] for e in publishes(events, final=False)]
     assert versions == list(range(len(versions)))          # never backwards, never skipped
@@ -104,6 +111,11 @@ def test_sigkill_actor_is_replaced_and_learning_goes_on(tmp_path):
     # life is the one whose seq starts again at 0, acting with current weights
     new_life = [e for e in back if e["seq"] == 0]
     assert new_life and new_life[0]["policy_version"] >= v_kill - 1, back[:3]
+    ckpt = load_ckpt(newest_checkpoint(run_dir))
+    assert ckpt["version"] >= 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["version"] == ckpt["version"], summary
+    assert "SIGTERM" in (tmp_path / "launch.out").read_text()
 
 
 def test_sigkill_learner_stops_the_run_and_resume_restores_every_counter(tmp_path):
@@ -189,10 +201,11 @@ def _rss(pid: int) -> int:
 
 
 def test_overloaded_learner_keeps_memory_bounded_and_counts_every_drop(tmp_path):
-    """Actors far faster than the learner (40 epochs an update): the buffer overwrites, the
-    high-water marks hold the rest back, memory stays flat, and every rollout is accounted for."""
+    """An actor far faster than the learner (40 epochs an update): the buffer overwrites, the
+    high-water marks hold the rest back, memory stays flat, and every rollout is accounted for. (One
+    actor: it alone sends tens of rollouts an update.)"""
     run_dir = tmp_path / "run"
-    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "10000000", "--set", "trainer.eval_freq=0",
+    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "1", "--steps", "10000000", "--set", "trainer.eval_freq=0",
                  "--set", "trainer.buffer_type=vla", "--set", "algorithm.cfg.n_epochs=40",
                  "--set", "trainer.buffer_capacity=2", "--set", "trainer.lag_policy=drop")
     samples: dict[str, list[int]] = {"learner": [], "actors": []}

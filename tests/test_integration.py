@@ -424,33 +424,8 @@ def test_slow_actor_does_not_block_vla(tmp_path):
     assert len(updates_with_1) <= len(lines) // 2, f"{len(updates_with_1)} of {len(lines)} updates used actor 1's data"
 
 
-@pytest.mark.slow
-def test_sigterm_stops_everything(tmp_path):
-    run_dir = tmp_path / "run"
-    versions_path = run_dir / "versions.jsonl"
-
-    def three_publishes() -> bool:
-        try:
-            return versions_path.read_text().count('"event":"publish"') >= 3
-        except OSError:
-            return False
-
-    run = launch(tmp_path, run_dir, "--actors", "2", "--steps", "10000000")
-    try:
-        assert run.wait(120, until=three_publishes) is None, f"the run ended early:\n{run.output()}"
-        before = run.snapshot()
-        cmdlines = [" ".join(p.cmdline()) for p in before if _alive(p)]
-        assert any("-m learner" in c for c in cmdlines) and sum("-m actors" in c for c in cmdlines) == 2, cmdlines
-        stop_s = _sigterm_and_wait(run, run_dir)
-    finally:
-        run.stop()
-
-    assert stop_s < 15
-    ckpt = load_ckpt(newest_checkpoint(run_dir))
-    assert ckpt["version"] >= 2
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped_by"] == "SIGTERM" and summary["version"] == ckpt["version"], summary
-    assert "SIGTERM" in (tmp_path / "launch.out").read_text()
+# SIGTERM to the launcher of a default run (two actors, the evaluator): test_faults.py's killed-actor test
+# ends with it, and checks what stopping everything means (one run for both).
 
 
 def test_sigterm_during_a_long_update_stops_in_time(tmp_path):
