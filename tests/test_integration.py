@@ -348,11 +348,11 @@ def test_run_local_two_actors_versions(tmp_path):
     assert best["version"] == first_top["version"] == summary["best/version"], (best["version"], evals, summary)
     assert set(best["policy"]) == set(ckpt["policy"])
     assert evals[-1]["eval/best_score"] == pytest.approx(top)
+    # launch/evaluate.py on the run's best checkpoint (in this process: the script as a command is run
+    # by test_finetune_guide.py, test_own_checkpoint_recipe.py and test_checkpoint_integrity.py)
+    from launch.evaluate import main as evaluate_main
     out = tmp_path / "best_eval.json"
-    ev = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), str(run_dir), "--checkpoint", "best",
-                         "--episodes", "4", "--json", str(out)], capture_output=True, text=True, timeout=120,
-                        env=_env())
-    assert ev.returncode == 0, ev.stdout + ev.stderr
+    assert evaluate_main([str(run_dir), "--checkpoint", "best", "--episodes", "4", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["version"] == best["version"]
 
 
