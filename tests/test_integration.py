@@ -356,10 +356,13 @@ def test_run_local_two_actors_versions(tmp_path):
     assert json.loads(out.read_text())["version"] == best["version"]
 
 
-# The launcher's run with --no-eval in vla mode; test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it
-# launches it (under a stand-in MPS daemon) and checks it here: one launch for both.
-VLA_MODE_RUN = ("--no-eval", "--actors", "2", "--steps", "4000", "--set", "trainer.buffer_type=vla",
-                "--set", "trainer.eval_freq=0")
+# The launcher's run with --no-eval in vla mode, lag_policy drop, actor 1 slowed down:
+# test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it launches it (under a stand-in
+# MPS daemon), check_vla_mode_run and check_slow_actor_run check it: one launch for the three.
+SLOWDOWN_S = 0.02
+VLA_MODE_RUN = ("--no-eval", "--actors", "2", "--steps", "30000", "--set", "trainer.buffer_type=vla",
+                "--set", "trainer.lag_policy=drop", "--set", "trainer.eval_freq=0",
+                "--set", f"actors.slowdown_s={SLOWDOWN_S}", "--set", "actors.slow_actor_ids=[1]")
 
 
 def check_vla_mode_run(run_dir: Path) -> None:
@@ -383,8 +386,7 @@ def check_vla_mode_run(run_dir: Path) -> None:
     assert not any("eval/return_mean" in m for m in read_jsonl(run_dir / "metrics.jsonl"))
 
 
-@pytest.mark.slow
-def test_slow_actor_does_not_block_vla(tmp_path):
+def check_slow_actor_run(run_dir: Path) -> None:
     """Actor 1 sleeps 20 ms per env step (>= 0.64 s per 32-step rollout); in vla mode with
     lag_policy drop (actors run free) the learner takes any rollouts, so it keeps training on actor
     0's data and never waits for actor 1. (Under the default, pace, actor 0 is held to its credit
@@ -393,14 +395,7 @@ def test_slow_actor_does_not_block_vla(tmp_path):
     ``total_steps`` counts every env step received (actor 0 alone sends thousands per second), so
     the budget is sized for a few seconds of training, enough for actor 1 to send some rollouts.
     """
-    run_dir = tmp_path / "run"
-    slowdown_s = 0.02
-    run = launch(tmp_path, run_dir, "--no-eval", "--actors", "2", "--steps", "30000", "--set", "trainer.buffer_type=vla",
-                 "--set", "trainer.lag_policy=drop",
-                 "--set", "trainer.eval_freq=0", "--set", f"actors.slowdown_s={slowdown_s}",
-                 "--set", "actors.slow_actor_ids=[1]")
-    finish(run, run_dir)
-
+    slowdown_s = SLOWDOWN_S
     cfg = json.loads((run_dir / "config.json").read_text())
     slow_rollout_s = cfg["trainer"]["buffer_size"] * slowdown_s      # a lower bound on actor 1's collect time
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -688,7 +683,8 @@ def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_
     process of the run, every process inherits its directories, and the daemon is told to quit
     (and its pipe directory removed) once they have all ended. Without the daemon on PATH, --mps is
     refused before anything starts. (Here a stand-in records what it is asked; a GPU run is in
-    benchmarks/gpu_session.sh.) The run is :data:`VLA_MODE_RUN`, checked by :func:`check_vla_mode_run`."""
+    benchmarks/gpu_session.sh.) The run is :data:`VLA_MODE_RUN`, a vla-mode run with a slow actor,
+    checked by :func:`check_vla_mode_run` and :func:`check_slow_actor_run` too."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "nvidia-cuda-mps-control"
@@ -714,7 +710,8 @@ def test_mps_runs_the_processes_under_a_daemon_of_the_runs_own_and_stops_it(tmp_
     assert lines[1].split()[1] == pipe and log_dir == str(run_dir / "logs" / "mps")
     assert seen.get("learner") == pipe and seen.get("actors") == pipe, seen      # both roles inherited it
     assert not Path(pipe).exists() and "CUDA MPS" in out
-    check_vla_mode_run(run_dir)     # the run itself: vla mode through the launcher
+    check_vla_mode_run(run_dir)     # the run itself: vla mode through the launcher,
+    check_slow_actor_run(run_dir)   # and a slow actor that never holds the learner up
 
     fake.write_text(FAKE_MPS.replace('if [[ "${1:-}" == -d ]]; then', 'if [[ "${1:-}" == -d ]]; then exit 1'))
     failed = subprocess.run(["bash", str(LAUNCH), "--out", str(tmp_path / "failed"), "--mps"], cwd=ROOT, env=env,
