@@ -1,0 +1,116 @@
+"""π0 fine-tuned with RL on tandem/Reach-v0: the success the cloned model starts from and the success
+after RL, on the same held-out episodes, for runs of ``configs/pi0_reach_ppo.json`` (Flow-Noise PPO) and
+``configs/pi0_reach_grpo.json`` (Flow-SDE GRPO) started from ``launch/pretrain_pi0_reach.py``'s checkpoint.
+
+For each run directory it runs ``launch/evaluate.py`` twice on the same held-out episodes (the
+evaluator's default held-out seed, 200 episodes): ``--checkpoint none`` (the cloned model the run started
+from) and ``--checkpoint latest`` (the run's final weights); and it reads from the run's own
+``metrics.jsonl`` the wall time at which its periodic evaluations first reached a success rate (the
+``--target``, linearly interpolated between evaluations)::
+
+    .venv/bin/python benchmarks/pi0_reach_rl.py outputs/pi0_rl/* --json docs/results/pi0_reach_rl.json \\
+        --date ... --machine ... --command ...
+
+Run directories are named ``<algorithm>_<mode>_s<seed>`` (e.g. ``ppo_async_s1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from launch.staleness_runs import load_run  # noqa: E402
+
+
+def _evaluate(run_dir: Path, checkpoint: str, episodes: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "eval.json"
+        subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), str(run_dir), "--checkpoint", checkpoint,
+                        "--episodes", str(episodes), "--threads", "1", "--json", str(out)], check=True, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
+def _time_to(run_dir: Path, target: float) -> float | None:
+    """Seconds from the run's start until its periodic evaluations first reached `target` success."""
+    run = load_run(run_dir)
+    before = None
+    for e in run.evals:
+        rate, t = e.get("eval/success_rate"), run.since_start(e)
+        if not isinstance(rate, (int, float)) or t is None:
+            continue
+        if rate >= target:
+            if before is None:
+                return t
+            share = (target - before[0]) / (rate - before[0])
+            return before[1] + share * (t - before[1])
+        before = (rate, t)
+    return None
+
+
+def record(run_dir: Path, episodes: int, target: float) -> dict[str, Any]:
+    algorithm, mode, seed = run_dir.name.split("_")
+    start, end = _evaluate(run_dir, "none", episodes), _evaluate(run_dir, "latest", episodes)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"algorithm": algorithm, "mode": mode, "seed": int(seed.lstrip("s")),
+            "cloned": 100 * start["success_rate"], "fine_tuned": 100 * end["success_rate"],
+            "gain": 100 * (end["success_rate"] - start["success_rate"]), "held_out_seed": end["seed"],
+            "env_steps": end["env_steps"], "wall_s": summary.get("wall_s"), "time_to_target": _time_to(run_dir, target)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", type=Path, nargs="+")
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--episodes", type=int, default=200)
+    p.add_argument("--target", type=float, default=0.6, help="success rate whose wall time is reported")
+    p.add_argument("--date", required=True)
+    p.add_argument("--machine", required=True)
+    p.add_argument("--command", required=True)
+    p.add_argument("--note", action="append", default=[])
+    args = p.parse_args(argv)
+    records = [record(r, args.episodes, args.target) for r in args.runs]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    groups = sorted({(r["algorithm"], r["mode"]) for r in records})
+
+    def reached(algorithm: str, mode: str) -> bool:
+        return any(r["time_to_target"] is not None for r in records if (r["algorithm"], r["mode"]) == (algorithm, mode))
+    doc = {"title": "π0 fine-tuned with RL on Reach: success before and after, on held-out episodes",
+           "question": "How many points of success does RL add to a behaviour-cloned flow-matching π0 (Flow-Noise "
+                       "PPO, Flow-SDE GRPO) within 200k env steps, and how long does it take in async and in "
+                       "standard mode?",
+           "date": args.date, "machine": args.machine, "command": args.command, "commit": commit,
+           "source": "launch/evaluate.py --checkpoint none / latest on each run directory (200 held-out episodes, "
+                     "the same for both), and the runs' metrics.jsonl (benchmarks/pi0_reach_rl.py)",
+           "records": records, "group_by": ["algorithm", "mode"],
+           "columns": [{"key": "seed", "label": "seeds", "agg": "count", "fmt": "d"},
+                       {"key": "cloned", "label": "cloned success %", "agg": "mean", "fmt": ".1f"},
+                       {"key": "fine_tuned", "label": "after RL %", "agg": "mean", "fmt": ".1f"},
+                       {"key": "fine_tuned", "label": "after RL, per seed", "agg": "list", "fmt": ".1f"},
+                       {"key": "gain", "label": "points added", "agg": "mean_sd", "fmt": ".1f"},
+                       {"key": "env_steps", "label": "env steps", "agg": "mean", "fmt": ".0f"},
+                       {"key": "wall_s", "label": "run wall s", "agg": "mean", "fmt": ".0f"},
+                       {"key": "time_to_target", "label": f"wall s to {100 * args.target:.0f}% (periodic evals)",
+                        "agg": "mean", "fmt": ".0f"}],
+           "ratios": [{"label": f"{a} {m}: wall s to {100 * args.target:.0f}% / ppo standard's", "key": "time_to_target",
+                       "agg": "mean", "numerator": {"algorithm": a, "mode": m},
+                       "denominator": {"algorithm": "ppo", "mode": "standard"}}
+                      for a, m in groups if (a, m) != ("ppo", "standard") and reached(a, m) and reached("ppo", "standard")],
+           "notes": args.note}
+    args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    for r in records:
+        print(r)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
