@@ -203,8 +203,9 @@ def test_sigterm_to_the_process_group_stops_the_local_ray_instance_too(tmp_path)
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait(10)
-        time.sleep(1.0)
-        left = [p for p in seen.values() if _running(p)] + of_this_run()
+        deadline = time.monotonic() + 1.0     # what is left 1 s after the driver ended
+        while (left := [p for p in seen.values() if _running(p)] + of_this_run()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for p in left:
             try:
                 p.kill()
