@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from children import child_pythonpath
+from guide_pages import page_block, page_quick_flags
 
 pytest.importorskip("transformers.models.pi0")
 
@@ -30,18 +31,12 @@ TIMEOUT_S = 240
 
 def block(marker: str) -> list[str]:
     """The lines of the bash block after the page's ``<!-- <marker>`` comment, comments and blanks left out."""
-    found = re.search(rf"<!-- {marker}.*?-->\s*```bash\n(.*?)```", PAGE.read_text(), re.S)
-    assert found, f"{PAGE}: no {marker} block"
-    return [line for line in found.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    return page_block(PAGE, marker)
 
 
 def quick_flags() -> dict[str, list[str]]:
     """QUICK_PRETRAIN and QUICK_TRAIN, as the page assigns them."""
-    out = {}
-    for line in block("quick"):
-        name, _, value = line.partition("=")
-        out[name] = shlex.split(shlex.split(value)[0])
-    return out
+    return page_quick_flags(PAGE)
 
 
 def commands(marker: str, model: Path, runs: Path) -> list[list[str]]:
