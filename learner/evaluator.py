@@ -86,10 +86,19 @@ class ChunkedActing:
             self.plan = None
 
 
+def _rng_devices() -> list[int]:
+    """The CUDA devices whose random state an evaluation must save and restore (none before CUDA is used)."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
 @torch.inference_mode()
 def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int, *, frames: Frames | None = None,
              keep_actions: bool = False, replay: Sequence[torch.Tensor] | None = None) -> EvalResult:
     """Run the first episode of each of ``env.num_envs`` envs with the deterministic policy.
+
+    `seed` resets the envs and also seeds torch's random generators for the evaluation's length, so
+    a deterministic policy that still draws random numbers (π0's ODE starts from Gaussian noise) plays
+    the same episodes the same way each time; the caller's random state is saved and restored.
 
     `frames` (evaluation videos): which envs' first episodes to render, how often and how much.
 
@@ -103,6 +112,14 @@ def evaluate(policy: torch.nn.Module | None, env, num_episodes: int, seed: int, 
     ``actions_per_call`` actions are executed before the next call; an episode ending calls it again
     at once for every env (the envs step in lockstep), as the actors do with envs that cannot step a
     subset."""
+    with torch.random.fork_rng(devices=_rng_devices()):
+        torch.manual_seed(seed)
+        return _episodes(policy, env, num_episodes, seed, frames, keep_actions, replay)
+
+
+def _episodes(policy, env, num_episodes: int, seed: int, frames: Frames | None, keep_actions: bool,
+              replay: Sequence[torch.Tensor] | None) -> EvalResult:
+    """:func:`evaluate`'s episodes, under the random state it set."""
     chunks = ChunkedActing(policy)
     obs = env.reset(seed=seed)
     n = env.num_envs

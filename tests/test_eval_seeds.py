@@ -44,3 +44,28 @@ def test_same_replays_the_episodes_new_draws_others(mode):
     later = evaluate(policy, env, 32, seed=eval_seed(1, 5, mode))
     same = (first.returns, first.lengths, first.successes) == (later.returns, later.lengths, later.successes)
     assert same == (mode == "same")
+
+
+class _Noisy(torch.nn.Module):
+    """Deterministic in name only, as π0 is: its action starts from Gaussian noise drawn with torch's
+    global generator."""
+
+    def forward(self, td, deterministic=True):
+        obs = td[keys.OBS]
+        noise = torch.randn(obs["proprio"].shape[0], 2)
+        td.set(keys.ACTION, (obs["proprio"][:, :2] * -1.0 + 0.5 * noise).clamp(-1, 1))
+        return td
+
+
+def test_the_seed_fixes_a_policys_own_noise_and_leaves_the_callers_random_state_alone():
+    env, policy = make_env("tandem/Reach-v0", 32), _Noisy()
+    torch.manual_seed(123)
+    first = evaluate(policy, env, 32, seed=11)
+    after_first = torch.rand(4)   # the caller's generator is where it was: the evaluation drew nothing from it
+    torch.manual_seed(999)
+    again = evaluate(policy, env, 32, seed=11)
+    other = evaluate(policy, env, 32, seed=12)
+    assert (first.returns, first.lengths) == (again.returns, again.lengths)
+    assert first.returns != other.returns
+    torch.manual_seed(123)
+    assert torch.equal(after_first, torch.rand(4))
