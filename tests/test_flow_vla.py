@@ -70,12 +70,13 @@ def test_checkpoint_that_does_not_match_fails_naming_tensor_and_file(saved, tmp_
     edit_checkpoint(saved[0], tmp_path / case, edit)
     with pytest.raises(VLALoadError) as e:
         load_pi0(tmp_path / case)
-    for text in named + ["model.safetensors", str(tmp_path / case)]:
+    for text in named + ["model.safetensors", str(tmp_path / case), "policy.flow_config.model_path"]:
         assert text in str(e.value), (text, str(e.value))
+    assert "vla_config" not in str(e.value)
 
 
 def test_no_checkpoint_directory(tmp_path):
-    with pytest.raises(VLALoadError, match="no such directory"):
+    with pytest.raises(VLALoadError, match="policy.flow_config.model_path .*absent.*no such directory"):
         load_pi0(tmp_path / "absent")
 
 

@@ -65,6 +65,9 @@ def _once(key: str, level: int, message: str, *args: Any) -> None:
 
 # ----------------------------------------------------------------------------- loading
 
+KEY = "policy.flow_config.model_path"   # the config key that names a π0 checkpoint, for error messages
+
+
 def load_pi0(model_path: str | Path, heads: dict[str, nn.Module] | None = None,
              backbone_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """``PI0ForConditionalGeneration`` from the local directory `model_path`, strictly, in eval mode.
@@ -83,13 +86,14 @@ def load_pi0(model_path: str | Path, heads: dict[str, nn.Module] | None = None,
     """
     path = Path(model_path)
     if not (path / "config.json").is_file():
-        raise VLALoadError(f"{path}: a π0 checkpoint is a directory with config.json and model.safetensors "
-                           f"(written by save_pretrained, or LeRobot's); "
+        raise VLALoadError(f"{KEY} {str(path)!r}: a π0 checkpoint is a directory with config.json and "
+                           f"model.safetensors (written by save_pretrained, or LeRobot's); "
                            + ("it has no config.json" if path.is_dir() else "no such directory"))
     try:
         model = load_pretrained(str(path), PI0_CLASS, dict(backbone_kwargs or {}))
     except VLALoadError as e:   # transformers names tensors as the model has them: say which file was read
-        raise VLALoadError(f"{e} (weights: {weight_files(path)}; LeRobot's names are mapped by transformers' "
+        text = str(e).replace("vla_config.model_path", KEY)   # the token VLA's key: name the one π0 reads
+        raise VLALoadError(f"{text} (weights: {weight_files(path)}; LeRobot's names are mapped by transformers' "
                            f"key mapping for pi0)") from None
     if heads is not None:
         load_heads(heads, path)
