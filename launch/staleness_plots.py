@@ -14,7 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -57,11 +57,22 @@ def _note_missing(ax: Axes, runs: Sequence[Run], has_data: Callable[[Run], bool]
     if len(lacking) == len(runs):
         _note(ax, what)
     elif lacking:
-        ax.text(0.01, 0.01, f"{what}: {', '.join(lacking)}", transform=ax.transAxes, ha="left", va="bottom",
-                fontsize=8, color="0.35")
+        names = ", ".join(lacking) if len(lacking) <= 3 else f"{', '.join(lacking[:2])} and {len(lacking) - 2} more"
+        ax.text(0.02, 0.02, f"{what}: {names}", transform=ax.transAxes, ha="left", va="bottom",
+                fontsize=7, color="0.35", wrap=True)
 
 
 LEGEND_INSIDE_MAX = 12   # legend entries drawn inside the axes; more go beside them
+
+
+def _steps_label(x: float, _pos=None) -> str:
+    """An env-step tick: 0, 500, 25k, 1.5M."""
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:g}M"
+    return f"{x / 1e3:g}k" if abs(x) >= 1e3 else f"{x:g}"
+
+
+STEPS_FORMAT = FuncFormatter(_steps_label)
 
 
 def _finish(ax: Axes, title: str, xlabel: str, ylabel: str) -> None:
@@ -69,6 +80,8 @@ def _finish(ax: Axes, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    if xlabel == "env steps":   # 200k, not 200000: six-digit tick labels run into each other
+        ax.xaxis.set_major_formatter(STEPS_FORMAT)
     ax.grid(True, alpha=0.3)
     n = len(ax.get_legend_handles_labels()[0])
     if n > LEGEND_INSIDE_MAX:   # beside the axes, in columns, instead of over the curves

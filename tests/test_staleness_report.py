@@ -349,3 +349,8 @@ def test_slowdown_reference_and_random_return(tmp_path: Path, capsys: pytest.Cap
     assert result["thresholds"]["0.5"] == pytest.approx(-1000 + 0.5 * (2500 / 3 + 1000))   # lag8_s1's final: 2500/3
     assert staleness.main([str(tmp_path / "lag1_s1"), "--reference", "nope", "--out", str(tmp_path / "o")]) == 2
     assert "nope" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_env_step_ticks_read_as_thousands_and_millions() -> None:
+    fmt = staleness_plots._steps_label
+    assert [fmt(x) for x in (0, 500, 25_000, 200_000, 1_500_000)] == ["0", "500", "25k", "200k", "1.5M"]
