@@ -2,16 +2,19 @@
 after RL, on the same held-out episodes, for runs of ``configs/pi0_reach_ppo.json`` (Flow-Noise PPO) and
 ``configs/pi0_reach_grpo.json`` (Flow-SDE GRPO) started from ``launch/pretrain_pi0_reach.py``'s checkpoint.
 
-For each run directory it runs ``launch/evaluate.py`` twice on the same held-out episodes (the
+For each run directory it runs ``launch/evaluate.py`` three times on the same held-out episodes (the
 evaluator's default held-out seed, 200 episodes): ``--checkpoint none`` (the cloned model the run started
-from) and ``--checkpoint latest`` (the run's final weights); and it reads from the run's own
+from), ``--checkpoint latest`` (the run's final weights) and ``--checkpoint best`` (the weights
+``trainer.keep_best`` chose on the run's own periodic evaluations, which play other episodes); and it reads from the run's own
 ``metrics.jsonl`` the wall time at which its periodic evaluations first reached a success rate (the
 ``--target``, linearly interpolated between evaluations)::
 
     .venv/bin/python benchmarks/pi0_reach_rl.py outputs/pi0_rl/* --json docs/results/pi0_reach_rl.json \\
         --date ... --machine ... --command ...
 
-Run directories are named ``<algorithm>_<mode>_s<seed>`` (e.g. ``ppo_async_s1``).
+Run directories are named ``<algorithm>_<mode>_s<seed>`` (e.g. ``ppo_async_s1``); a mode may carry a tag
+after a dash (``ppo_async-is_s1``) to keep two groups of one mode apart, which the table tells apart by
+the runs' correction (their ``config.json``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from launch.staleness_runs import load_run  # noqa: E402
+
+
+# README's headline row: PPO in async mode with its default correction, and GRPO
+HEADLINE = [{"rank": 7, "label": "π0 fine-tuned with RL (Reach toy)",
+             "text": "Flow-Noise PPO adds {0} points of success to a behaviour-cloned tiny π0 (2 seeds, 200 held-out "
+                     "episodes each, 200k env steps, async mode); Flow-SDE GRPO {1}",
+             "values": [{"match": {"algorithm": "ppo", "mode": "async", "correction": "trust"}, "key": "gain",
+                         "agg": "mean", "fmt": "+.1f"},
+                        {"match": {"algorithm": "grpo", "mode": "async"}, "key": "gain", "agg": "mean", "fmt": "+.1f"}]}]
 
 
 def _evaluate(run_dir: Path, checkpoint: str, episodes: int) -> dict[str, Any]:
@@ -58,11 +70,17 @@ def _time_to(run_dir: Path, target: float) -> float | None:
 
 def record(run_dir: Path, episodes: int, target: float) -> dict[str, Any]:
     algorithm, mode, seed = run_dir.name.split("_")
+    mode = mode.split("-")[0]   # "async-is": a second async group, told apart by its correction
+    config = json.loads((run_dir / "config.json").read_text())
+    correction = config["algorithm"]["cfg"].get("correction") or "–"
     start, end = _evaluate(run_dir, "none", episodes), _evaluate(run_dir, "latest", episodes)
+    best = _evaluate(run_dir, "best", episodes)
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"algorithm": algorithm, "mode": mode, "seed": int(seed.lstrip("s")),
+    return {"algorithm": algorithm, "mode": mode, "correction": correction, "seed": int(seed.lstrip("s")),
             "cloned": 100 * start["success_rate"], "fine_tuned": 100 * end["success_rate"],
             "gain": 100 * (end["success_rate"] - start["success_rate"]), "held_out_seed": end["seed"],
+            "best": 100 * best["success_rate"], "gain_best": 100 * (best["success_rate"] - start["success_rate"]),
+            "best_version": best["version"],
             "env_steps": end["env_steps"], "wall_s": summary.get("wall_s"), "time_to_target": _time_to(run_dir, target)}
 
 
@@ -79,32 +97,36 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     records = [record(r, args.episodes, args.target) for r in args.runs]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    groups = sorted({(r["algorithm"], r["mode"]) for r in records})
+    groups = sorted({(r["algorithm"], r["mode"], r["correction"]) for r in records})
+    reference = next((g for g in groups if g[:2] == ("ppo", "standard")), None)
 
-    def reached(algorithm: str, mode: str) -> bool:
-        return any(r["time_to_target"] is not None for r in records if (r["algorithm"], r["mode"]) == (algorithm, mode))
+    def reached(group: tuple[str, str, str] | None) -> bool:
+        return group is not None and any(r["time_to_target"] is not None for r in records
+                                         if (r["algorithm"], r["mode"], r["correction"]) == group)
     doc = {"title": "π0 fine-tuned with RL on Reach: success before and after, on held-out episodes",
            "question": "How many points of success does RL add to a behaviour-cloned flow-matching π0 (Flow-Noise "
                        "PPO, Flow-SDE GRPO) within 200k env steps, and how long does it take in async and in "
                        "standard mode?",
            "date": args.date, "machine": args.machine, "command": args.command, "commit": commit,
-           "source": "launch/evaluate.py --checkpoint none / latest on each run directory (200 held-out episodes, "
-                     "the same for both), and the runs' metrics.jsonl (benchmarks/pi0_reach_rl.py)",
-           "records": records, "group_by": ["algorithm", "mode"],
+           "source": "launch/evaluate.py --checkpoint none / latest / best on each run directory (200 held-out episodes, "
+                     "the same for all three), and the runs' metrics.jsonl (benchmarks/pi0_reach_rl.py)",
+           "records": records, "group_by": ["algorithm", "mode", "correction"],
            "columns": [{"key": "seed", "label": "seeds", "agg": "count", "fmt": "d"},
                        {"key": "cloned", "label": "cloned success %", "agg": "mean", "fmt": ".1f"},
                        {"key": "fine_tuned", "label": "after RL %", "agg": "mean", "fmt": ".1f"},
                        {"key": "fine_tuned", "label": "after RL, per seed", "agg": "list", "fmt": ".1f"},
                        {"key": "gain", "label": "points added", "agg": "mean_sd", "fmt": ".1f"},
+                       {"key": "best", "label": "best kept %", "agg": "mean", "fmt": ".1f"},
+                       {"key": "gain_best", "label": "points added, best kept", "agg": "mean_sd", "fmt": ".1f"},
                        {"key": "env_steps", "label": "env steps", "agg": "mean", "fmt": ".0f"},
                        {"key": "wall_s", "label": "run wall s", "agg": "mean", "fmt": ".0f"},
                        {"key": "time_to_target", "label": f"wall s to {100 * args.target:.0f}% (periodic evals)",
                         "agg": "mean", "fmt": ".0f"}],
-           "ratios": [{"label": f"{a} {m}: wall s to {100 * args.target:.0f}% / ppo standard's", "key": "time_to_target",
-                       "agg": "mean", "numerator": {"algorithm": a, "mode": m},
-                       "denominator": {"algorithm": "ppo", "mode": "standard"}}
-                      for a, m in groups if (a, m) != ("ppo", "standard") and reached(a, m) and reached("ppo", "standard")],
-           "notes": args.note}
+           "ratios": [{"label": f"{a} {m} ({c}): wall s to {100 * args.target:.0f}% / ppo standard's",
+                       "key": "time_to_target", "agg": "mean", "numerator": {"algorithm": a, "mode": m, "correction": c},
+                       "denominator": dict(zip(("algorithm", "mode", "correction"), reference))}
+                      for a, m, c in groups if (a, m, c) != reference and reached((a, m, c)) and reached(reference)],
+           "notes": args.note, "headline": HEADLINE}
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     for r in records:
         print(r)
