@@ -14,7 +14,7 @@ from), ``--checkpoint latest`` (the run's final weights) and ``--checkpoint best
 
 Run directories are named ``<algorithm>_<mode>_s<seed>`` (e.g. ``ppo_async_s1``); a mode may carry a tag
 after a dash (``ppo_async-is_s1``) to keep two groups of one mode apart, which the table tells apart by
-the runs' correction (their ``config.json``).
+the runs' correction and flow method (their ``config.json``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from launch.staleness_runs import load_run  # noqa: E402
 # README's headline row: PPO in async mode with its default correction, and GRPO
 HEADLINE = [{"rank": 7, "label": "π0 fine-tuned with RL (Reach toy)",
              "text": "Flow-Noise PPO adds {0} points of success to a behaviour-cloned tiny π0 (2 seeds, 200 held-out "
-                     "episodes each, 200k env steps, async mode); Flow-SDE GRPO {1}",
+                     "episodes each, 200k env steps, async mode); Flow-SDE GRPO {1} (3 seeds)",
              "values": [{"match": {"algorithm": "ppo", "mode": "async", "correction": "trust"}, "key": "gain",
                          "agg": "mean", "fmt": "+.1f"},
-                        {"match": {"algorithm": "grpo", "mode": "async"}, "key": "gain", "agg": "mean", "fmt": "+.1f"}]}]
+                        {"match": {"algorithm": "grpo", "mode": "async", "method": "Flow-SDE, noise_level 0.7"},
+                         "key": "gain", "agg": "mean", "fmt": "+.1f"}]}]
 
 
 def _evaluate(run_dir: Path, checkpoint: str, episodes: int) -> dict[str, Any]:
@@ -73,10 +74,14 @@ def record(run_dir: Path, episodes: int, target: float) -> dict[str, Any]:
     mode = mode.split("-")[0]   # "async-is": a second async group, told apart by its correction
     config = json.loads((run_dir / "config.json").read_text())
     correction = config["algorithm"]["cfg"].get("correction") or "–"
+    flow = config["policy"]["flow_config"]
+    method = (f"Flow-SDE, noise_level {flow['noise_level']:g}" if flow.get("method") == "sde" else
+              f"Flow-Noise, std {flow['noise_std_min']:g}-{flow['noise_std_max']:g}")
     start, end = _evaluate(run_dir, "none", episodes), _evaluate(run_dir, "latest", episodes)
     best = _evaluate(run_dir, "best", episodes)
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"algorithm": algorithm, "mode": mode, "correction": correction, "seed": int(seed.lstrip("s")),
+    return {"algorithm": algorithm, "mode": mode, "correction": correction, "method": method,
+            "seed": int(seed.lstrip("s")),
             "cloned": 100 * start["success_rate"], "fine_tuned": 100 * end["success_rate"],
             "gain": 100 * (end["success_rate"] - start["success_rate"]), "held_out_seed": end["seed"],
             "best": 100 * best["success_rate"], "gain_best": 100 * (best["success_rate"] - start["success_rate"]),
@@ -97,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     records = [record(r, args.episodes, args.target) for r in args.runs]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    groups = sorted({(r["algorithm"], r["mode"], r["correction"]) for r in records})
+    group_by = ["algorithm", "mode", "correction", "method"]
+    groups = sorted({tuple(r[k] for k in group_by) for r in records})
     reference = next((g for g in groups if g[:2] == ("ppo", "standard")), None)
 
-    def reached(group: tuple[str, str, str] | None) -> bool:
+    def reached(group: tuple[str, ...] | None) -> bool:
         return group is not None and any(r["time_to_target"] is not None for r in records
-                                         if (r["algorithm"], r["mode"], r["correction"]) == group)
+                                         if tuple(r[k] for k in group_by) == group)
     doc = {"title": "π0 fine-tuned with RL on Reach: success before and after, on held-out episodes",
            "question": "How many points of success does RL add to a behaviour-cloned flow-matching π0 (Flow-Noise "
                        "PPO, Flow-SDE GRPO) within 200k env steps, and how long does it take in async and in "
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
            "date": args.date, "machine": args.machine, "command": args.command, "commit": commit,
            "source": "launch/evaluate.py --checkpoint none / latest / best on each run directory (200 held-out episodes, "
                      "the same for all three), and the runs' metrics.jsonl (benchmarks/pi0_reach_rl.py)",
-           "records": records, "group_by": ["algorithm", "mode", "correction"],
+           "records": records, "group_by": group_by,
            "columns": [{"key": "seed", "label": "seeds", "agg": "count", "fmt": "d"},
                        {"key": "cloned", "label": "cloned success %", "agg": "mean", "fmt": ".1f"},
                        {"key": "fine_tuned", "label": "after RL %", "agg": "mean", "fmt": ".1f"},
@@ -122,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                        {"key": "wall_s", "label": "run wall s", "agg": "mean", "fmt": ".0f"},
                        {"key": "time_to_target", "label": f"wall s to {100 * args.target:.0f}% (periodic evals)",
                         "agg": "mean", "fmt": ".0f"}],
-           "ratios": [{"label": f"{a} {m} ({c}): wall s to {100 * args.target:.0f}% / ppo standard's",
-                       "key": "time_to_target", "agg": "mean", "numerator": {"algorithm": a, "mode": m, "correction": c},
-                       "denominator": dict(zip(("algorithm", "mode", "correction"), reference))}
-                      for a, m, c in groups if (a, m, c) != reference and reached((a, m, c)) and reached(reference)],
+           "ratios": [{"label": f"{g[0]} {g[1]} ({g[2] if g[0] == 'ppo' else g[3]}): wall s to "
+                                f"{100 * args.target:.0f}% / ppo standard's",
+                       "key": "time_to_target", "agg": "mean", "numerator": dict(zip(group_by, g)),
+                       "denominator": dict(zip(group_by, reference))}
+                      for g in groups if g != reference and reached(g) and reached(reference)],
            "notes": args.note, "headline": HEADLINE}
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     for r in records:
