@@ -58,8 +58,10 @@ def _note_missing(ax: Axes, runs: Sequence[Run], has_data: Callable[[Run], bool]
         _note(ax, what)
     elif lacking:
         names = ", ".join(lacking) if len(lacking) <= 3 else f"{', '.join(lacking[:2])} and {len(lacking) - 2} more"
-        ax.text(0.02, 0.02, f"{what}: {names}", transform=ax.transAxes, ha="left", va="bottom",
-                fontsize=7, color="0.35", wrap=True)
+        head, _, why = what.partition(" (")   # "no KEY logged (why)": one short line each
+        text = "\n".join([head, f"({why}" if why else "", names]).replace("\n\n", "\n")
+        note = ax.text(0.02, 0.02, text, transform=ax.transAxes, ha="left", va="bottom", fontsize=7, color="0.35")
+        note.set_in_layout(False)   # a long note must not shrink the axes under tight_layout
 
 
 LEGEND_INSIDE_MAX = 12   # legend entries drawn inside the axes; more go beside them
