@@ -90,10 +90,9 @@ def load_pi0(model_path: str | Path, heads: dict[str, nn.Module] | None = None,
                            f"model.safetensors (written by save_pretrained, or LeRobot's); "
                            + ("it has no config.json" if path.is_dir() else "no such directory"))
     try:
-        model = load_pretrained(str(path), PI0_CLASS, dict(backbone_kwargs or {}))
+        model = load_pretrained(str(path), PI0_CLASS, dict(backbone_kwargs or {}), key=KEY)
     except VLALoadError as e:   # transformers names tensors as the model has them: say which file was read
-        text = str(e).replace("vla_config.model_path", KEY)   # the token VLA's key: name the one π0 reads
-        raise VLALoadError(f"{text} (weights: {weight_files(path)}; LeRobot's names are mapped by transformers' "
+        raise VLALoadError(f"{e} (weights: {weight_files(path)}; LeRobot's names are mapped by transformers' "
                            f"key mapping for pi0)") from None
     if heads is not None:
         load_heads(heads, path)

@@ -233,7 +233,8 @@ def _no_transformers_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def load_pretrained(model_path: str, model_class: str, model_config: dict[str, Any]) -> nn.Module:
+def load_pretrained(model_path: str, model_class: str, model_config: dict[str, Any],
+                    key: str = "vla_config.model_path") -> nn.Module:
     """``model_class.from_pretrained(model_path, local_files_only=True, **model_config)``, never from a hub.
 
     For a transformers class (any class with ``from_pretrained``: an adapter around one may reuse this
@@ -242,15 +243,17 @@ def load_pretrained(model_path: str, model_class: str, model_config: dict[str, A
     Raises:
         VLALoadError: unknown class, no ``from_pretrained``, a path that does not exist here, or any
             failure of ``from_pretrained`` (named with the path and the class).
+
+    `key` is the config key that names `model_path`, as the errors say it (π0: ``policy.flow_config.model_path``).
     """
     cls = _import_class(model_class)
     if not callable(getattr(cls, "from_pretrained", None)):
         raise VLALoadError(f"vla_config.model_class {model_class!r}: has no from_pretrained")
     if not model_path:
-        raise VLALoadError(f"vla_config.model_path: {model_class}.from_pretrained needs a local checkpoint "
+        raise VLALoadError(f"{key}: {model_class}.from_pretrained needs a local checkpoint "
                            f"directory (got an empty path)")
     if not Path(model_path).exists():   # a missing path would send from_pretrained to the hub
-        raise VLALoadError(f"vla_config.model_path {model_path!r}: no such file or directory (model_class "
+        raise VLALoadError(f"{key} {model_path!r}: no such file or directory (model_class "
                            f"{model_class}; checkpoints are never fetched from a hub)")
     if model_config.get("local_files_only", True) is not True:
         raise VLALoadError(f"vla_config.model_config.local_files_only: must stay true for {model_class} "
@@ -267,17 +270,17 @@ def load_pretrained(model_path: str, model_class: str, model_config: dict[str, A
             extra = {"output_loading_info": True, "ignore_mismatched_sizes": True} if with_info else {}
             out = cls.from_pretrained(model_path, **{**extra, **kwargs})
     except VLALoadError as e:    # an adapter's own loader (shared/policies/token_checkpoints.py): already precise
-        if "vla_config.model_path" in str(e):
+        if key in str(e):
             raise
-        raise VLALoadError(f"vla_config.model_path {model_path!r} (model_class {model_class}): {e}") from None
+        raise VLALoadError(f"{key} {model_path!r} (model_class {model_class}): {e}") from None
     except Exception as e:
-        raise VLALoadError(f"vla_config.model_path {model_path!r}: {model_class}.from_pretrained failed: "
+        raise VLALoadError(f"{key} {model_path!r}: {model_class}.from_pretrained failed: "
                            f"{type(e).__name__}: {e}") from None
     model, info = out if with_info and isinstance(out, tuple) and len(out) == 2 else (out, {})
-    problems = [f"{what} {_in_files(model_path, info[key], key)}" for key, what in (("missing_keys", "missing"),
-                ("unexpected_keys", "unexpected"), ("mismatched_keys", "shape mismatch")) if info.get(key)]
+    problems = [f"{what} {_in_files(model_path, info[field], field)}" for field, what in (("missing_keys", "missing"),
+                ("unexpected_keys", "unexpected"), ("mismatched_keys", "shape mismatch")) if info.get(field)]
     if problems:  # transformers only warns: a half-initialised pretrained policy is a wrong checkpoint
-        raise VLALoadError(f"vla_config.model_path {model_path!r} does not match {model_class}: " + ", ".join(problems))
+        raise VLALoadError(f"{key} {model_path!r} does not match {model_class}: " + ", ".join(problems))
     if not isinstance(model, nn.Module):
         raise VLALoadError(f"vla_config.model_class {model_class!r}: from_pretrained returned "
                            f"{type(model).__name__}, not an nn.Module")
