@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from launch.staleness_runs import load_run  # noqa: E402
+from launch.staleness_runs import eval_points, first_crossing, load_run  # noqa: E402
 
 
 # README's headline row: PPO in async mode with its default correction, and GRPO
@@ -53,20 +53,11 @@ def _evaluate(run_dir: Path, checkpoint: str, episodes: int) -> dict[str, Any]:
 
 
 def _time_to(run_dir: Path, target: float) -> float | None:
-    """Seconds from the run's start until its periodic evaluations first reached `target` success."""
-    run = load_run(run_dir)
-    before = None
-    for e in run.evals:
-        rate, t = e.get("eval/success_rate"), run.since_start(e)
-        if not isinstance(rate, (int, float)) or t is None:
-            continue
-        if rate >= target:
-            if before is None:
-                return t
-            share = (target - before[0]) / (rate - before[0])
-            return before[1] + share * (t - before[1])
-        before = (rate, t)
-    return None
+    """Seconds from the run's start until its periodic evaluations first reached `target` success: the
+    staleness report's crossing (``staleness_runs.first_crossing``: interpolated between evaluations, at
+    the time the evaluated version was published)."""
+    crossing = first_crossing(eval_points(load_run(run_dir), "eval/success_rate"), target)
+    return None if crossing is None else crossing.wall_s
 
 
 def record(run_dir: Path, episodes: int, target: float) -> dict[str, Any]:

@@ -382,15 +382,15 @@ def publish_times(run: Run) -> dict[int, float]:
     return times
 
 
-def eval_points(run: Run) -> list[EvalPoint]:
-    """The run's evaluations in env-step order. Their wall time is when the evaluated version was
-    published (when the learner had that policy), else the evaluation line's own time: the evaluator's
-    delay is then left out of the comparison."""
+def eval_points(run: Run, key: str = "eval/return_mean") -> list[EvalPoint]:
+    """The run's evaluations of `key` (the mean return, or e.g. ``eval/success_rate``) in env-step order.
+    Their wall time is when the evaluated version was published (when the learner had that policy),
+    else the evaluation line's own time: the evaluator's delay is then left out of the comparison."""
     published = publish_times(run)
     points = []
     for e in run.evals:
-        steps = finite(e.get("env_steps"))
-        if steps is None:
+        steps, value = finite(e.get("env_steps")), finite(e.get(key))
+        if steps is None or value is None:
             continue
         version = e.get("version")
         wall = published.get(version) if isinstance(version, int) else None
@@ -398,7 +398,7 @@ def eval_points(run: Run) -> list[EvalPoint]:
             wall = run.since_start(e)
         if wall is None:
             wall = finite(e.get("wall_s"))
-        points.append(EvalPoint(steps, wall, float(e["eval/return_mean"])))
+        points.append(EvalPoint(steps, wall, value))
     return sorted(points, key=lambda p: p.env_steps)
 
 
